@@ -1,0 +1,77 @@
+"""The ops the model calls, dispatched to Triton kernels on CUDA and to `kernels.reference` elsewhere.
+
+Backends: "auto" (Triton where the tensor is on CUDA and a kernel exists, else the reference),
+"triton" (Triton or a clear error), "reference" (always the plain PyTorch ops). `TRITON_INTERPRET=1`
+lets "triton" run the kernels on CPU tensors through Triton's interpreter (tests do this).
+
+The Triton files are named unlike the functions (rmsnorm.py, not rms_norm.py): importing a submodule
+binds its name on this package, which would shadow the dispatching function of the same name.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from kernels import reference
+
+BACKENDS = ("auto", "triton", "reference")
+# op name -> (module, function) of its Triton implementation.
+TRITON_OPS = {
+    "rms_norm": ("kernels.rmsnorm", "rms_norm"),
+    "layer_norm": ("kernels.layernorm", "layer_norm"),
+    "linear_cross_entropy": ("kernels.fused_linear_ce", "linear_cross_entropy"),
+    "attention": ("kernels.flash_attention", "flash_attention"),
+}
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
+    if name == "triton" and not (torch.cuda.is_available() or interpreting()):
+        raise RuntimeError(
+            "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
+            "use kernels=auto or kernels=reference on this machine")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_op(name: str):
+    module_name, function_name = TRITON_OPS[name]
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def _pick(name: str, tensor: torch.Tensor):
+    if _backend == "reference":
+        return getattr(reference, name)
+    if _backend == "triton" or tensor.is_cuda:
+        return _triton_op(name)
+    return getattr(reference, name)
+
+
+def rms_norm(x, weight, eps):
+    return _pick("rms_norm", x)(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return _pick("layer_norm", x)(x, weight, bias, eps)
+
+
+def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
+    return _pick("attention", q)(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):
+    return _pick("linear_cross_entropy", hidden)(hidden, weight, targets, ignore_index=ignore_index,
+                                                 reduction=reduction)

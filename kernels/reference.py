@@ -1,0 +1,100 @@
+"""Plain PyTorch versions of every op the model uses.
+
+These are the contract: the Triton kernels in this package must match them, the tests use them as the
+oracle, and machines without CUDA run them. Math is done in fp32 and results are cast back to the input
+dtype, so a bf16 model on CPU still gets fp32-accurate ops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * rstd * weight.float()).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Standard LayerNorm over the last dimension with fp32 statistics."""
+    x32 = x.float()
+    mean = x32.mean(dim=-1, keepdim=True)
+    var = (x32 - mean).pow(2).mean(dim=-1, keepdim=True)
+    y = (x32 - mean) * torch.rsqrt(var + eps) * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Map each of `total` token positions to the index of the document that holds it."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> None:
+    """Validate FlashAttention-style document offsets over the flattened batch*seqlen token axis."""
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor of document offsets with at least 2 entries, got "
+            f"dtype={cu_seqlens.dtype} shape={tuple(cu_seqlens.shape)}")
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != batch * seqlen:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at batch*seqlen={batch * seqlen}, got {first}..{last}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads and packed documents.
+
+    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq a multiple of Hkv (query head h reads KV head
+    h // (Hq // Hkv)). cu_seqlens: int32 offsets of documents over the flattened B*S token axis (as in
+    FlashAttention's varlen API); a token attends only to tokens of its own document. Returns [B, S, Hq, D].
+    """
+    batch, seqlen, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
+    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    group = q_heads // kv_heads
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, seqlen)
+        # Documents index the flattened token axis: fold the batch into one long row.
+        q, k, v = (t.reshape(1, batch * seqlen, *t.shape[2:]) for t in (q, k, v))
+    qf = q.float().transpose(1, 2)                                          # [b, Hq, s, D]
+    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)           # [b, Hq, s, D]
+    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale                   # [b, Hq, s, s]
+    total = qf.shape[2]
+    allowed = torch.ones(total, total, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, total)
+        allowed = allowed & (doc[:, None] == doc[None, :])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(1, 2)    # [b, s, Hq, D]
+    return out.reshape(batch, seqlen, q_heads, head_dim).to(q.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of softmax(hidden @ weight.T) against targets, in fp32.
+
+    hidden: [N, H]; weight: [V, H]; targets: [N]. "mean" averages over the tokens whose target is not
+    ignore_index and is 0 (not NaN) when every target is ignored; "sum" adds them.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    logits = hidden.float() @ weight.float().t()
+    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    if reduction == "sum":
+        return total
+    return total / (targets != ignore_index).sum().clamp(min=1)

@@ -1,0 +1,6 @@
+"""Our Llama-3/3.1 implementation; parameter names equal transformers' LlamaForCausalLM."""
+from model.checkpoint import CheckpointError
+from model.config import LlamaConfig
+from model.llama import Llama
+
+__all__ = ["Llama", "LlamaConfig", "CheckpointError"]

@@ -1,0 +1,173 @@
+"""Llama-3 / 3.1 decoder with the parameter names of transformers' LlamaForCausalLM.
+
+The model knows nothing about memory policy: `LlamaModel.run_layer` is the single place a decoder layer is
+called, and `offload/` replaces it on an instance to checkpoint, offload or tile. Ops go through
+`kernels`, which picks Triton on CUDA and the PyTorch reference elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from model.config import LlamaConfig, rope_inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, S, H, D] by per-position angles; cos/sin are [B, S, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.q_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.q_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        batch, seqlen, _ = x.shape
+        q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = kernels.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+        return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cu_seqlens)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def positions_from_documents(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Positions restarting at 0 at every document start of a packed [batch, seqlen] block."""
+    total = batch * seqlen
+    flat = torch.arange(total, device=cu_seqlens.device)
+    doc = kernels.reference.document_ids(cu_seqlens, total)
+    return (flat - cu_seqlens.long()[doc]).view(batch, seqlen)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inverse_frequencies(self.cfg, position_ids.device)
+        angles = position_ids.float()[..., None] * inv_freq                    # [B, S, D/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]          # [B, S, 1, D]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """Call one decoder layer. Memory policies (offload/) replace this on the instance."""
+        return layer(hidden, rope, cu_seqlens)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seqlen = input_ids.shape
+        if position_ids is None:
+            position_ids = (positions_from_documents(cu_seqlens, batch, seqlen) if cu_seqlens is not None
+                            else torch.arange(seqlen, device=input_ids.device).expand(batch, seqlen))
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rope(position_ids, hidden.dtype)
+        for layer in self.layers:
+            hidden = self.run_layer(layer, hidden, rope, cu_seqlens)
+        return self.norm(hidden)
+
+
+class Llama(nn.Module):
+    """Causal LM: `forward` returns the final hidden states; the loss comes from them and
+    `lm_head.weight` through `kernels.linear_cross_entropy`, so full logits are never built."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when configured; re-run after anything that replaces params."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy of the next-token predictions; labels are already shifted (-100 = no loss)."""
+        return kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                            labels.reshape(-1), reduction=reduction)
+
+    @classmethod
+    def from_config(cls, cfg: LlamaConfig | dict[str, Any], dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> "Llama":
+        """A randomly initialised model (normal(0, initializer_range) weights, unit norms)."""
+        if not isinstance(cfg, LlamaConfig):
+            cfg = LlamaConfig.from_dict(dict(cfg))
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_weights()
+        return model.to(dtype)
+
+    def init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str = "cpu") -> "Llama":
+        from model.checkpoint import load_pretrained
+        return load_pretrained(cls, path, dtype=dtype, device=device)
