@@ -59,6 +59,13 @@ class LlamaConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
+    def to_dict(self) -> dict[str, Any]:
+        """The HF-style dict that peft and loggers read as `model.config`."""
+        return self.to_hf_dict()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_hf_dict().get(key, default)
+
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json contents that transformers' LlamaForCausalLM loads."""
         values = dataclasses.asdict(self)

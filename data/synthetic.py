@@ -1,0 +1,84 @@
+"""Synthetic long-range recall: the embedded default task, needing no tokenizer and no files.
+
+Each sequence is BOS, filler noise with key/value bigrams scattered through it, then queries
+"QUERY key" at the end. The model must find the key far back and copy the value that followed it; only
+the answers are supervised, so chance accuracy is 1 / num_values.
+"""
+from __future__ import annotations
+
+import torch
+
+from data.batch import IGNORE_INDEX, Batch
+from data.config import DataConfig
+
+BOS, EOS, QUERY = 1, 2, 3
+FIRST_KEY = 8
+
+
+class RecallTask:
+    """An endless, seeded stream of recall batches; batch i depends only on (seed, i), so resuming is
+    restoring the index."""
+
+    def __init__(self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int):
+        self.cfg, self.seq_len, self.batch_size, self.seed = cfg, seq_len, batch_size, seed
+        self.first_value = FIRST_KEY + cfg.num_keys
+        self.first_filler = self.first_value + cfg.num_values
+        self.vocab_size = vocab_size
+        check_recall_config(cfg, seq_len, vocab_size)
+        self.index = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.index)
+        self.index += 1
+        rows = [self._sequence(generator) for _ in range(self.batch_size)]
+        input_ids = torch.stack([ids for ids, _ in rows])
+        labels = torch.stack([lab for _, lab in rows])
+        positions = torch.arange(self.seq_len).expand(self.batch_size, self.seq_len).clone()
+        return Batch(input_ids, labels, positions)
+
+    def _sequence(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, length = self.cfg, self.seq_len
+        tokens = torch.randint(self.first_filler, self.vocab_size, (length,), generator=generator)
+        tokens[0] = BOS
+        keys = FIRST_KEY + torch.randperm(cfg.num_keys, generator=generator)[:cfg.num_pairs]
+        values = self.first_value + torch.randint(0, cfg.num_values, (cfg.num_pairs,), generator=generator)
+        query_start = length - 2 * cfg.num_queries
+        # Pairs occupy disjoint 2-token slots spread over the whole body, so some are far from the queries.
+        slots = 1 + 2 * torch.randperm((query_start - 1) // 2, generator=generator)[:cfg.num_pairs]
+        tokens[slots], tokens[slots + 1] = keys, values
+        labels = torch.full((length,), IGNORE_INDEX)
+        asked = torch.randperm(cfg.num_pairs, generator=generator)[:cfg.num_queries]
+        for i, pair in enumerate(asked.tolist()):
+            at = query_start + 2 * i
+            tokens[at], tokens[at + 1] = QUERY, keys[pair]
+            labels[at + 1] = values[pair]          # predicted at the key, i.e. the next token
+        return tokens, labels
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+
+def check_recall_config(cfg: DataConfig, seq_len: int, vocab_size: int) -> None:
+    """Reject settings the task cannot be generated with, naming what to change."""
+    needed_vocab = FIRST_KEY + cfg.num_keys + cfg.num_values + 1
+    if vocab_size < needed_vocab:
+        raise ValueError(f"data=recall needs model.vocab_size >= {needed_vocab} (8 special tokens + "
+                         f"data.num_keys={cfg.num_keys} + data.num_values={cfg.num_values} + filler), "
+                         f"got {vocab_size}: lower num_keys/num_values or use a larger vocabulary")
+    if cfg.num_pairs > cfg.num_keys:
+        raise ValueError(f"data.num_pairs ({cfg.num_pairs}) must be <= data.num_keys ({cfg.num_keys}): keys "
+                         f"in one sequence are distinct")
+    if not 1 <= cfg.num_queries <= cfg.num_pairs:
+        raise ValueError(f"data.num_queries ({cfg.num_queries}) must be between 1 and data.num_pairs "
+                         f"({cfg.num_pairs})")
+    body = seq_len - 2 * cfg.num_queries - 1
+    if body // 2 < cfg.num_pairs:
+        raise ValueError(f"seq_len={seq_len} is too short for data.num_pairs={cfg.num_pairs} and "
+                         f"data.num_queries={cfg.num_queries}: use seq_len >= "
+                         f"{2 * cfg.num_pairs + 2 * cfg.num_queries + 2} or fewer pairs")

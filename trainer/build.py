@@ -1,0 +1,52 @@
+"""Turning a validated config into a model on its device."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import OmegaConf
+
+from model import Llama, LlamaConfig
+
+log = logging.getLogger(__name__)
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                     "rope_scaling", "tie_word_embeddings")
+
+
+def architecture(model_cfg) -> LlamaConfig:
+    values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    return LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS})
+
+
+def weight_dtype(train_mode: str, device: torch.device) -> torch.dtype:
+    """Frozen LoRA bases are stored in bf16 on GPU; trained weights stay fp32 (bf16 autocast computes)."""
+    return torch.bfloat16 if device.type == "cuda" and train_mode == "lora" else torch.float32
+
+
+def build_model(cfg, device: torch.device) -> torch.nn.Module:
+    dtype = weight_dtype(cfg.train.mode, device)
+    if cfg.model.path:
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
+        log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
+    else:
+        log.warning("model.path is not set: %s starts from RANDOM weights (fine for benchmarks and the demo; "
+                    "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
+        model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
+    if cfg.train.mode == "lora":
+        model = apply_lora(model, cfg.train)
+    return model
+
+
+def apply_lora(model: Llama, train_cfg) -> torch.nn.Module:
+    """Wrap in peft LoRA adapters; the base is frozen and the adapters are kept in fp32."""
+    from peft import LoraConfig, get_peft_model
+    lora = LoraConfig(r=train_cfg.lora_r, lora_alpha=train_cfg.lora_alpha, lora_dropout=train_cfg.lora_dropout,
+                      target_modules=list(train_cfg.lora_target_modules), bias="none")
+    return get_peft_model(model, lora)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, counting tied tensors once."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in unique if p.requires_grad), sum(p.numel() for p in unique)

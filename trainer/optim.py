@@ -1,0 +1,30 @@
+"""AdamW and the warmup + cosine learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms and other 1-D parameters get no weight decay."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters: check train.mode and train.lora_target_modules")
+    decayed = [p for p in trainable if p.dim() >= 2]
+    plain = [p for p in trainable if p.dim() < 2]
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warmup from 1/warmup to 1, then cosine decay from 1 to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))

@@ -1,0 +1,70 @@
+"""One optimizer step over gradient-accumulation micro-batches."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from data import IGNORE_INDEX, Batch
+
+# Accuracy is logged only when the supervised tokens are few enough that their logits are cheap.
+MAX_ACCURACY_TOKENS = 4096
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    accuracy: float | None
+    tokens: int
+    supervised: int
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; exact fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def supervised_accuracy(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> float | None:
+    mask = labels != IGNORE_INDEX
+    count = int(mask.sum())
+    if count == 0 or count > MAX_ACCURACY_TOKENS:
+        return None
+    with torch.no_grad():
+        logits = hidden[mask].float() @ causal_lm(model).lm_head.weight.float().t()
+        return float((logits.argmax(-1) == labels[mask]).float().mean())
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
+               scheduler, grad_clip: float, device: torch.device) -> StepResult:
+    """Forward/backward every micro-batch, clip, update.
+
+    The loss is the mean over all supervised tokens of the step (not a mean of micro-batch means), so
+    accumulation over k micro-batches equals one batch k times larger.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    supervised = sum(b.num_supervised for b in micro_batches)
+    lm = causal_lm(model)
+    total_loss, accuracy = 0.0, None
+    for batch in micro_batches:
+        batch = batch.to(device)
+        with autocast(device):
+            hidden = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens)
+            loss = lm.loss(hidden, batch.labels, reduction="sum") / max(supervised, 1)
+        loss.backward()
+        total_loss += float(loss.detach())
+        accuracy = supervised_accuracy(model, hidden.detach(), batch.labels)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    return StepResult(loss=total_loss, grad_norm=float(grad_norm), accuracy=accuracy,
+                      tokens=sum(b.num_tokens for b in micro_batches), supervised=supervised)
