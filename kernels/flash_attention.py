@@ -1,0 +1,541 @@
+"""Flash attention in Triton: causal, grouped-query, packed documents; forward and backward.
+
+Layout as `kernels.reference.attention`: q [B, S, Hq, D], k and v [B, S, Hkv, D], read through their
+strides (the last dim must be contiguous), query head h reading KV head h // (Hq // Hkv) without
+repeating K/V. With `cu_seqlens` (int32 document offsets over the flattened B*S token axis) the batch is
+folded into one row of B*S tokens and a token attends only to earlier tokens of its own document.
+
+Memory is O(S): the forward saves the output and the per-row log-sum-exp (base 2) for the backward; no
+S x S matrix exists anywhere. Per query block the kernels visit only the key tiles that its rows can see,
+split in three runs: masked tiles where documents begin, unmasked tiles, masked tiles on the causal
+diagonal / document end. A pack of short documents so costs about what the documents cost alone.
+
+Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key block that loops over
+the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
+per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
+past the end of the sequence.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import check_cu_seqlens
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+# Python sources of every kernel, so they can be re-wrapped if TRITON_INTERPRET changes after import
+# (triton.jit decides between compiling and interpreting when it decorates).
+_KERNEL_SOURCES = {}
+
+
+def _jit(fn):
+    _KERNEL_SOURCES[fn.__name__] = fn
+    return triton.jit(fn)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+@_jit
+def _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_DOCS: tl.constexpr):
+    """Keys seen by queries [m_start, m_start + BLOCK_M): all in [lo, hi), every row sees all of
+    [full_lo, full_hi)."""
+    m_last = tl.minimum(m_start + BLOCK_M, seqlen) - 1
+    if HAS_DOCS:
+        # Document bounds are non-decreasing along the tokens: the first and last rows bound the block.
+        lo = tl.load(DOC_START + m_start)
+        full_lo = tl.load(DOC_START + m_last)
+        full_hi = tl.load(DOC_END + m_start)
+        hi = tl.load(DOC_END + m_last)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = seqlen
+        hi = seqlen
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m_start + 1)
+        hi = tl.minimum(hi, m_last + 1)
+    return lo, full_lo, full_hi, hi
+
+
+@_jit
+def _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_DOCS: tl.constexpr):
+    """Queries that see keys [n_start, n_start + BLOCK_N): all in [lo, hi), every query of
+    [full_lo, full_hi) sees every key."""
+    n_last = tl.minimum(n_start + BLOCK_N, seqlen) - 1
+    if HAS_DOCS:
+        lo = tl.load(DOC_START + n_start)
+        full_lo = tl.load(DOC_START + n_last)
+        full_hi = tl.load(DOC_END + n_start)
+        hi = tl.load(DOC_END + n_last)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = seqlen
+        hi = seqlen
+    if CAUSAL:
+        lo = tl.maximum(lo, n_start)
+        full_lo = tl.maximum(full_lo, n_last)
+    return lo, full_lo, full_hi, hi
+
+
+@_jit
+def _tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Split tiles of BLOCK starting at lo into a masked head run, an unmasked run inside
+    [full_lo, full_hi) and a masked tail run up to hi; returns the three tile counts."""
+    head = tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK)
+    mid_start = lo + head * BLOCK
+    mid = tl.maximum(full_hi - mid_start, 0) // BLOCK
+    tail_start = mid_start + mid * BLOCK
+    tail = tl.cdiv(tl.maximum(hi - tail_start, 0), BLOCK)
+    return head, mid, tail
+
+
+@_jit
+def _visible(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Mask of query/key pairs that attend: `other` (the key, or the query) must lie in the document
+    [doc_lo, doc_hi) of the opposite side, both inside the sequence, and key <= query when causal."""
+    visible = (query < seqlen) & (key < seqlen)
+    if CAUSAL:
+        visible = visible & (key <= query)
+    if HAS_DOCS:
+        visible = visible & (other >= doc_lo) & (other < doc_hi)
+    return visible
+
+
+@_jit
+def _head_desc(base, seqlen, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A [seqlen, HEAD_DIM] view of one head of one batch row, moved BLOCK tokens at a time."""
+    return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])
+
+
+@_jit
+def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, n_tiles, offs_m, row_doc_lo, row_doc_hi, seqlen,
+               qk_scale_log2, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Online softmax over n_tiles key tiles from n_start; m_i and the scores are in log2 units."""
+    for tile in range(n_tiles):
+        start = n_start + tile * BLOCK_N
+        k = k_desc.load([start, 0])
+        scores = tl.dot(q, tl.trans(k))
+        if MASKED:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            visible = _visible(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
+                               offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
+            # A row with nothing visible yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
+            m_sub = m_new
+        p = tl.math.exp2(scores * qk_scale_log2 - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([start, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@_jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
+                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                     seqlen, qk_scale_log2, seq_bucket,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    # Causal blocks late in the sequence do the most work: launch them first.
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // GROUP
+    q_desc = _head_desc(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM)
+    k_desc = _head_desc(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = _head_desc(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM)
+    o_desc = _head_desc(O + batch * stride_ob + head * stride_oh, seqlen, stride_os, BLOCK_M, HEAD_DIM)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seqlen
+    if HAS_DOCS:
+        row_doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
+        row_doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
+    else:
+        row_doc_lo = offs_m
+        row_doc_hi = offs_m
+    lo, full_lo, full_hi, hi = _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS)
+    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+
+    q = q_desc.load([m_start, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_start = lo
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, head_tiles, offs_m, row_doc_lo,
+                               row_doc_hi, seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, True)
+    n_start += head_tiles * BLOCK_N
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, mid_tiles, offs_m, row_doc_lo,
+                               row_doc_hi, seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, False)
+    n_start += mid_tiles * BLOCK_N
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, tail_tiles, offs_m, row_doc_lo,
+                               row_doc_hi, seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, True)
+
+    # Every valid row sees at least itself, so l_i > 0 there; rows past the end are not stored.
+    l_i = tl.where(row_ok, l_i, 1.0)
+    o_desc.store([m_start, 0], (acc / l_i[:, None]).to(O.dtype.element_ty))
+    lse_ptrs = LSE + (batch * tl.num_programs(1) + head) * seqlen + offs_m
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@_jit
+def _attn_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh,
+                           stride_dob, stride_dos, stride_doh, stride_dod, seqlen,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O), the softmax-backward correction for each query row."""
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seqlen
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(O + batch * stride_ob + head * stride_oh + rows * stride_os + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + batch * stride_dob + head * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + (batch * tl.num_programs(1) + head) * seqlen + offs_m, delta, mask=row_ok)
+
+
+@_jit
+def _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, n_tiles, offs_m, row_doc_lo, row_doc_hi, seqlen,
+              qk_scale_log2, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+              MASKED: tl.constexpr):
+    for tile in range(n_tiles):
+        start = n_start + tile * BLOCK_N
+        k = k_desc.load([start, 0])
+        v = v_desc.load([start, 0])
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse[:, None])
+        if MASKED:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            visible = _visible(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
+                               offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@_jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
+                        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                        seqlen, sm_scale, qk_scale_log2, seq_bucket, stride_dqb, stride_dqs, stride_dqh,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // GROUP
+    q_desc = _head_desc(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM)
+    dq_desc = _head_desc(DQ + batch * stride_dqb + head * stride_dqh, seqlen, stride_dqs, BLOCK_M, HEAD_DIM)
+    do_desc = _head_desc(DO + batch * stride_dob + head * stride_doh, seqlen, stride_dos, BLOCK_M, HEAD_DIM)
+    k_desc = _head_desc(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = _head_desc(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seqlen
+    if HAS_DOCS:
+        row_doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
+        row_doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
+    else:
+        row_doc_lo = offs_m
+        row_doc_hi = offs_m
+    row_stats = (batch * tl.num_programs(1) + head) * seqlen + offs_m
+    lse = tl.load(LSE + row_stats, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
+    q = q_desc.load([m_start, 0])
+    do = do_desc.load([m_start, 0])
+    lo, full_lo, full_hi, hi = _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS)
+    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n_start = lo
+    dq = _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, head_tiles, offs_m, row_doc_lo, row_doc_hi,
+                   seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, True)
+    n_start += head_tiles * BLOCK_N
+    dq = _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, mid_tiles, offs_m, row_doc_lo, row_doc_hi,
+                   seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, False)
+    n_start += mid_tiles * BLOCK_N
+    dq = _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, tail_tiles, offs_m, row_doc_lo, row_doc_hi,
+                   seqlen, qk_scale_log2, BLOCK_N, CAUSAL, HAS_DOCS, True)
+    dq_desc.store([m_start, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
+
+
+@_jit
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_tiles, offs_n, key_doc_lo,
+                key_doc_hi, seqlen, qk_scale_log2, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_DOCS: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dk, dv of one key block over m_tiles query tiles from m_start (transposed scores)."""
+    for tile in range(m_tiles):
+        start = m_start + tile * BLOCK_M
+        offs_m = start + tl.arange(0, BLOCK_M)
+        q = q_desc.load([start, 0])
+        lse = tl.load(LSE_ROW + offs_m, mask=offs_m < seqlen, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse[None, :])
+        if MASKED:
+            visible = _visible(offs_m[None, :], offs_n[:, None], key_doc_lo[:, None], key_doc_hi[:, None],
+                               offs_m[None, :], seqlen, CAUSAL, HAS_DOCS)
+            p_t = tl.where(visible, p_t, 0.0)
+        do = do_desc.load([start, 0])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < seqlen, other=0.0)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@_jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
+                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                          stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                          seqlen, sm_scale, qk_scale_log2, seq_bucket, stride_dkb, stride_dks, stride_dkh,
+                          stride_dvb, stride_dvs, stride_dvh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    n_start = tl.program_id(0) * BLOCK_N  # causal: early key blocks do the most work and go first
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    q_heads = tl.num_programs(1) * GROUP
+    k_desc = _head_desc(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM)
+    v_desc = _head_desc(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM)
+    dk_desc = _head_desc(DK + batch * stride_dkb + kv_head * stride_dkh, seqlen, stride_dks, BLOCK_N, HEAD_DIM)
+    dv_desc = _head_desc(DV + batch * stride_dvb + kv_head * stride_dvh, seqlen, stride_dvs, BLOCK_N, HEAD_DIM)
+
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seqlen
+    if HAS_DOCS:
+        key_doc_lo = tl.load(DOC_START + offs_n, mask=key_ok, other=0)
+        key_doc_hi = tl.load(DOC_END + offs_n, mask=key_ok, other=0)
+    else:
+        key_doc_lo = offs_n
+        key_doc_hi = offs_n
+    lo, full_lo, full_hi, hi = _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS)
+    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
+    k = k_desc.load([n_start, 0])
+    v = v_desc.load([n_start, 0])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # The group's query heads share this key block: summing them here needs no atomics.
+    for head in range(kv_head * GROUP, kv_head * GROUP + GROUP):
+        q_desc = _head_desc(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM)
+        do_desc = _head_desc(DO + batch * stride_dob + head * stride_doh, seqlen, stride_dos, BLOCK_M, HEAD_DIM)
+        row_stats = (batch * q_heads + head) * seqlen
+        m_start = lo
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             head_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, True)
+        m_start += head_tiles * BLOCK_M
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             mid_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, False)
+        m_start += mid_tiles * BLOCK_M
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             tail_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, True)
+    dk_desc.store([n_start, 0], (dk * sm_scale).to(DK.dtype.element_ty))
+    dv_desc.store([n_start, 0], dv.to(DV.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+# Under the interpreter: one small fixed shape, no autotuning (it would run every config on the CPU).
+_INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _config(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+# H100 candidates, kept few so that tuning stays short; keyed on the sequence bucket and head dim.
+_FWD_CONFIGS = [_config(128, 64, 8, 3), _config(128, 128, 8, 3), _config(128, 64, 4, 3),
+                _config(128, 128, 8, 2), _config(64, 64, 4, 3)]
+_DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 3), _config(128, 64, 8, 2)]
+_DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 4, 3), _config(64, 128, 8, 2)]
+_TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
+
+_kernels = {}
+_kernels_interpreted = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel(name: str):
+    """The launchable kernel `name` for the current mode: autotuned when compiled, plain when interpreted."""
+    global _kernels_interpreted
+    interpret = _interpreting()
+    if interpret != _kernels_interpreted:
+        # Re-wrap every kernel so that jit'd helpers called from kernels match the mode too.
+        globals().update({fn_name: triton.jit(fn) for fn_name, fn in _KERNEL_SOURCES.items()})
+        _kernels.clear()
+        _kernels_interpreted = interpret
+    if name not in _kernels:
+        configs = {"_attn_fwd_kernel": _FWD_CONFIGS, "_attn_bwd_dq_kernel": _DQ_CONFIGS,
+                   "_attn_bwd_dkdv_kernel": _DKDV_CONFIGS}.get(name)
+        kernel = globals()[name]
+        _kernels[name] = kernel if interpret or configs is None else triton.autotune(configs, _TUNE_KEY)(kernel)
+    return _kernels[name]
+
+
+def _launch_options() -> dict:
+    return dict(_INTERPRET_BLOCKS) if _interpreting() else {}
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global memory for the tensor descriptors that kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    if device.type == "cuda":
+        triton.set_allocator(_scratch)
+
+
+def _seq_bucket(seqlen: int) -> int:
+    return triton.next_power_of_2(seqlen)
+
+
+def _document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the start and end offsets of its document (int32, O(total) memory)."""
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    doc = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    return cu_seqlens[doc].contiguous(), cu_seqlens[doc + 1].contiguous()
+
+
+def _fold_batch(t: torch.Tensor, name: str) -> torch.Tensor:
+    """[B, S, H, D] -> [1, B*S, H, D] without a copy: documents run across batch rows."""
+    batch, seqlen = t.shape[:2]
+    if batch > 1 and t.stride(0) != seqlen * t.stride(1):
+        raise ValueError(f"with cu_seqlens, {name} must be viewable as [1, B*S, H, D] (batch stride == S * "
+                         f"token stride), got strides {tuple(t.stride())}")
+    return t.view(1, batch * seqlen, *t.shape[2:]) if batch > 1 else t
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """Tensor descriptors need a contiguous last dim and 16-byte aligned base and strides."""
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
+            and all(s * t.element_size() % 16 == 0 and s > 0 for s in t.stride()[:3]))
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[3]} not supported; flash_attention supports {SUPPORTED_HEAD_DIMS}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
+        if not _tma_compatible(t):
+            raise ValueError(f"{name} must be 16-byte aligned with 16-byte multiple strides, got strides "
+                             f"{tuple(t.stride())}")
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float):
+    batch, seqlen, q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
+    has_docs = doc_start is not None
+
+    def grid(meta):
+        return triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch
+
+    _kernel("_attn_fwd_kernel")[grid](
+        q, k, v, out, lse, doc_start, doc_end, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
+        seqlen, sm_scale * LOG2E, _seq_bucket(seqlen),
+        GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=has_docs, **_launch_options())
+    return out, lse
+
+
+def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool, sm_scale: float):
+    batch, seqlen, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = q_heads // kv_heads
+    has_docs = doc_start is not None
+    delta = torch.empty_like(lse)
+    delta_block = 16 if _interpreting() else 128
+    _kernel("_attn_bwd_delta_kernel")[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
+        out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
+
+    if not _tma_compatible(do):
+        # Autograd can hand a broadcast gradient (stride 0, e.g. from out.sum()) that no tensor descriptor
+        # can describe: the only copy this op makes, and only for such layouts.
+        do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=has_docs, **_launch_options())
+    args = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), seqlen, sm_scale, sm_scale * LOG2E,
+            _seq_bucket(seqlen))
+    _kernel("_attn_bwd_dq_kernel")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch)](
+        q, k, v, do, dq, lse, delta, doc_start, doc_end, *args, *_strides3(dq), **common)
+    _kernel("_attn_bwd_dkdv_kernel")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), kv_heads, batch)](
+        q, k, v, do, dk, dv, lse, delta, doc_start, doc_end, *args, *_strides3(dk), *_strides3(dv), **common)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, cu_seqlens, softmax_scale):
+        _check_inputs(q, k, v)
+        batch, seqlen = q.shape[:2]
+        sm_scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
+        _ensure_allocator(q.device)
+        doc_start = doc_end = None
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, batch, seqlen)
+            q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
+            doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
+        out, lse = _attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)
+        ctx.causal, ctx.sm_scale, ctx.batch_shape = causal, sm_scale, (batch, seqlen)
+        return out.view(batch, seqlen, *out.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
+        _ensure_allocator(q.device)
+        # Packed documents fold the batch; reshape is a view for any gradient the model produces.
+        grad_out = grad_out.reshape(out.shape)
+        dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale)
+        batch, seqlen = ctx.batch_shape
+        return (dq.view(batch, seqlen, *dq.shape[2:]), dk.view(batch, seqlen, *dk.shape[2:]),
+                dv.view(batch, seqlen, *dv.shape[2:]), None, None, None)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+    """Attention with the signature and layout of `kernels.reference.attention`; see the module doc."""
+    return FlashAttentionFunction.apply(q, k, v, causal, cu_seqlens, softmax_scale)
