@@ -1,0 +1,23 @@
+"""Import first in a test module that runs Triton kernels on CPU tensors through Triton's interpreter.
+
+`triton.jit` picks interpreter or compiler when a kernel module is imported, so TRITON_INTERPRET must be
+set before any `kernels.*` Triton module loads; test modules import this helper before anything else.
+It also carries the fix of triton-lang/triton#9171 (triton 3.6 with numpy >= 2.4: a loop bound that is a
+kernel argument fails with "only 0-dimensional arrays can be converted to Python scalars").
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import triton.runtime.interpreter as _interpreter  # noqa: E402
+
+if not getattr(_interpreter, "_scalar_index_fixed", False):
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_with_scalar_index(tensor, scope):
+        _patch_lang_tensor(tensor, scope)
+        # Interpreter scalars are 1-element arrays, which numpy >= 2.4 no longer turns into an int.
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_with_scalar_index
+    _interpreter._scalar_index_fixed = True
