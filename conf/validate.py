@@ -54,6 +54,6 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.num_attention_heads={cfg.model.num_attention_heads} must be a multiple of "
                           f"model.num_key_value_heads={cfg.model.num_key_value_heads}")
     try:
-        data.check_data_config(cfg.data, cfg.seq_len, cfg.model.vocab_size)
+        data.check_data_config(cfg.data, cfg.seq_len, cfg.model.vocab_size, tokenizer_path=cfg.model.path)
     except ValueError as error:
         raise ConfigError(str(error)) from error

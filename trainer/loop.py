@@ -36,7 +36,8 @@ def train(cfg) -> dict:
     trainable, total = count_parameters(model)
     log.info("model %s: %.2fM trainable of %.2fM parameters, seq_len=%d, device=%s, run dir %s",
              cfg.model.name, trainable / 1e6, total / 1e6, cfg.seq_len, device, run_dir)
-    stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size)
+    stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
+                        tokenizer_path=cfg.model.path)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
 

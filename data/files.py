@@ -1,0 +1,272 @@
+"""The `files` source: local files (or a save_to_disk directory) read with `datasets`, tokenized once into
+its cache, then planned, shuffled and packed by data.packing.
+
+Nothing here reaches the network: data.path must name something local, and data/__init__ switches
+`datasets` and the hub client to offline mode before they are imported.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from data.batch import Batch
+from data.config import DataConfig
+from data.packing import (LONG_DOC_POLICIES, Document, LongDocCounts, assemble_batch, epoch_order, pack_rows,
+                          plan_pieces)
+from data.tokenize import (LOSS_ON, DataError, check_tokenizer_files, check_vocabulary, load_tokenizer,
+                           tokenize_chat, tokenize_texts)
+
+log = logging.getLogger(__name__)
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
+FORMATS = ("auto", "text", "chat")
+TEXT_UNITS = ("document", "paragraph", "line")
+# Files save_to_disk writes at the top of a Dataset / DatasetDict directory.
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+# Bump when tokenization output changes, so cached tokenizations from older code are not reused.
+TOKENIZATION_VERSION = 1
+# Below this many records one process tokenizes faster than starting several.
+RECORDS_PER_EXTRA_PROCESS = 20_000
+
+
+@dataclass
+class LocalSource:
+    path: str
+    files: list[Path]
+    builder: str | None        # datasets builder for the files; None for a save_to_disk directory
+
+
+def resolve_source(path: str | None) -> LocalSource:
+    """What data.path names on disk; a clear error for anything missing, remote or unsupported."""
+    if not path:
+        raise DataError("data=files needs data.path=<file, folder, glob or save_to_disk directory>")
+    local = Path(path).expanduser()
+    if local.is_dir() and any((local / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        return LocalSource(path, [local], None)
+    if local.is_dir():
+        files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+        where = f"folder data.path={path!r}"
+    elif local.is_file():
+        files, where = [local], f"data.path={path!r}"
+    elif glob.has_magic(str(local)):
+        files = sorted(Path(p) for p in glob.glob(str(local), recursive=True) if Path(p).is_file())
+        where = f"glob data.path={path!r}"
+    else:
+        raise DataError(f"data.path={path!r} is not an existing file, folder or glob. Hub datasets are never "
+                        f"downloaded (training runs offline): save it on a machine with network "
+                        f"(datasets.load_dataset(NAME).save_to_disk(DIR)) and set data.path=DIR")
+    supported = [file for file in files if file.suffix.lower() in BUILDERS]
+    if local.is_file() and not supported:
+        raise DataError(f"{where} has extension {local.suffix!r}; supported: {', '.join(BUILDERS)}")
+    if not supported:
+        raise DataError(f"{where} matches no data files ({', '.join(BUILDERS)})")
+    builders = {BUILDERS[file.suffix.lower()] for file in supported}
+    if len(builders) > 1:
+        raise DataError(f"{where} mixes file kinds {sorted(builders)}: point data.path at one kind (e.g. a glob "
+                        f"like '{local / '*.jsonl'}')")
+    unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
+    if unreadable:
+        raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
+    return LocalSource(path, supported, builders.pop())
+
+
+def check_files_config(cfg: DataConfig, tokenizer_path: str | None) -> None:
+    """The early checks: option values, data.path on disk, and a tokenizer in model.path."""
+    choices = {"format": (cfg.format, FORMATS), "loss_on": (cfg.loss_on, LOSS_ON),
+               "long_docs": (cfg.long_docs, ("auto",) + LONG_DOC_POLICIES), "text_unit": (cfg.text_unit, TEXT_UNITS)}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise DataError(f"data.{name}={value!r} is not one of {allowed}")
+    if cfg.num_proc < 0:
+        raise DataError(f"data.num_proc={cfg.num_proc} must be >= 0 (0 picks by dataset size)")
+    resolve_source(cfg.path)
+    if not tokenizer_path:
+        raise DataError("data=files needs a tokenizer: set model.path=<local Hugging Face checkpoint directory "
+                        "with its tokenizer files>")
+    check_tokenizer_files(tokenizer_path)
+
+
+def load_records(source: LocalSource, cfg: DataConfig):
+    """The raw records as a datasets.Dataset (converted to Arrow once, in the datasets cache)."""
+    import datasets
+    try:
+        if source.builder is None:
+            records = datasets.load_from_disk(str(source.files[0]))
+            if isinstance(records, datasets.DatasetDict):
+                if cfg.split not in records:
+                    raise DataError(f"data.split={cfg.split!r} is not in {source.path}; splits: {list(records)}")
+                records = records[cfg.split]
+        else:
+            options = {"sample_by": cfg.text_unit} if source.builder == "text" else {}
+            records = datasets.load_dataset(source.builder, data_files=[str(f) for f in source.files], split="train",
+                                            cache_dir=cfg.cache_dir, **options)
+    except DataError:
+        raise
+    except Exception as error:
+        raise DataError(f"could not read data.path={source.path!r}: {type(error).__name__}: {error}") from error
+    if len(records) == 0:
+        raise DataError(f"data.path={source.path!r} holds no records")
+    return records
+
+
+def record_format(cfg: DataConfig, columns: list[str], path: str) -> tuple[str, str]:
+    """(format, field): chat when asked for or when auto finds the messages field, else text."""
+    chat = cfg.format == "chat" or (cfg.format == "auto" and cfg.messages_field in columns)
+    option, field = ("messages_field", cfg.messages_field) if chat else ("text_field", cfg.text_field)
+    if field not in columns:
+        raise DataError(f"records in data.path={path!r} have no field {field!r} (data.{option}); fields present: "
+                        f"{columns}. Set data.{option}=<one of them>")
+    return ("chat" if chat else "text"), field
+
+
+def tokenize_batch(batch: dict, indices: list[int], tokenizer, fmt: str, field: str, loss_on: str,
+                   bos_id: int | None, eos_id: int | None) -> dict:
+    """datasets.map function: records to documents plus the lengths and target counts the plan reads."""
+    if fmt == "chat":
+        documents = [tokenize_chat(messages, tokenizer, loss_on, bos_id, eos_id, record=index)
+                     for messages, index in zip(batch[field], indices)]
+    else:
+        documents = tokenize_texts(batch[field], tokenizer, bos_id, eos_id)
+    return {"input_ids": [ids for ids, _ in documents], "is_target": [mask for _, mask in documents],
+            "length": [len(ids) for ids, _ in documents], "targets": [sum(mask[1:]) for _, mask in documents]}
+
+
+def tokenizer_fingerprint(tokenizer_path: str) -> list[str]:
+    """Content hashes of the tokenizer's files, so a changed tokenizer re-tokenizes."""
+    from datasets.fingerprint import Hasher
+    directory = Path(tokenizer_path).expanduser()
+    files = sorted(p for p in directory.iterdir() if p.is_file() and (
+        p.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens"))))
+    return [Hasher.hash(file.read_bytes()) for file in files]
+
+
+def tokenize_records(records, cfg: DataConfig, tokenizer, tokenizer_path: str, fmt: str, field: str):
+    """Tokenize every record once; a second run with the same records, tokenizer and options loads the
+    result from the cache instead."""
+    import datasets
+    from datasets.fingerprint import Hasher
+    bos_id = tokenizer.bos_token_id if cfg.add_bos else None
+    eos_id = tokenizer.eos_token_id if cfg.add_eos else None
+    key = Hasher.hash([records._fingerprint, tokenizer_fingerprint(tokenizer_path), fmt, field, cfg.loss_on,
+                       bos_id, eos_id, TOKENIZATION_VERSION])
+    cache = Path(cfg.cache_dir or datasets.config.HF_DATASETS_CACHE).expanduser() / "tokenized"
+    cache.mkdir(parents=True, exist_ok=True)
+    num_proc = cfg.num_proc or min(os.cpu_count() or 1, 1 + len(records) // RECORDS_PER_EXTRA_PROCESS)
+    function = partial(tokenize_batch, tokenizer=tokenizer, fmt=fmt, field=field, loss_on=cfg.loss_on,
+                       bos_id=bos_id, eos_id=eos_id)
+    return records.map(function, batched=True, with_indices=True, remove_columns=records.column_names,
+                       num_proc=num_proc if num_proc > 1 else None, new_fingerprint=key,
+                       cache_file_name=str(cache / f"{key}.arrow"), desc=f"tokenizing {cfg.path}")
+
+
+@dataclass
+class DataStats:
+    documents: int
+    tokens: int
+    targets: int
+    sequences: int
+    padding_fraction: float
+    long_docs: LongDocCounts
+    seq_len: int
+
+    def line(self) -> str:
+        mean = self.tokens / max(self.documents, 1)
+        long = self.long_docs
+        return (f"data: {self.documents:,} documents, {self.tokens:,} tokens (mean {mean:,.1f} per document, "
+                f"{self.targets / max(self.tokens, 1):.1%} trained on) -> {self.sequences:,} sequences of "
+                f"{self.seq_len} per epoch, padding {self.padding_fraction:.1%}; longer than seq_len: "
+                f"{long.split} split, {long.dropped} dropped, {long.truncated} truncated")
+
+
+class PackedDocuments:
+    """An endless stream of batches over tokenized documents, epoch after epoch, each epoch reshuffled
+    from (seed, epoch).
+
+    The position in the stream is (epoch, row); the epoch's plan is recomputed from document lengths
+    alone, so load_state_dict resumes at the exact next row without reading earlier documents.
+    """
+
+    def __init__(self, documents, seq_len: int, batch_size: int, seed: int, pack: bool, long_docs: str,
+                 pad_id: int):
+        self.documents, self.seq_len, self.batch_size, self.seed, self.pack = documents, seq_len, batch_size, seed, pack
+        self.pad_id = pad_id
+        lengths = np.asarray(documents["length"], dtype=np.int64)
+        self.pieces, long_counts = plan_pieces(lengths, seq_len, long_docs)
+        if not len(self.pieces):
+            raise DataError(f"no document is left to train on: {long_counts.dropped} of {len(lengths)} documents are "
+                            f"longer than seq_len={seq_len} and were dropped; set data.long_docs=split or "
+                            f"truncate, or raise seq_len")
+        self.plan_id = f"{documents._fingerprint}/{seq_len}/{seed}/{pack}/{long_docs}"
+        self.epoch, self.row = 0, 0
+        self._plan_epoch(0)
+        kept = self.pieces[:, 2] - self.pieces[:, 1]
+        self.stats = DataStats(documents=int((lengths > 0).sum()), tokens=int(lengths.sum()),
+                               targets=int(np.asarray(documents["targets"]).sum()), sequences=self.rows_in_epoch,
+                               padding_fraction=1 - kept.sum() / (self.rows_in_epoch * seq_len),
+                               long_docs=long_counts, seq_len=seq_len)
+
+    def _plan_epoch(self, epoch: int) -> None:
+        self.order = epoch_order(len(self.pieces), self.seed, epoch)
+        piece_lengths = self.pieces[self.order, 2] - self.pieces[self.order, 1]
+        self.row_bounds = pack_rows(piece_lengths, self.seq_len, self.pack)
+        self.planned_epoch = epoch
+
+    @property
+    def rows_in_epoch(self) -> int:
+        return len(self.row_bounds) - 1
+
+    def _take_row(self) -> np.ndarray:
+        """The pieces of the next row, moving to the next epoch's plan when this one is used up."""
+        if self.planned_epoch != self.epoch:
+            self._plan_epoch(self.epoch)
+        row = self.pieces[self.order[self.row_bounds[self.row]:self.row_bounds[self.row + 1]]]
+        self.row += 1
+        if self.row == self.rows_in_epoch:
+            self.epoch, self.row = self.epoch + 1, 0
+        return row
+
+    def _read(self, rows: list[np.ndarray]) -> list[list[Document]]:
+        """Token ids and targets of every piece, with one read of the documents involved."""
+        wanted = sorted({int(document) for row in rows for document in row[:, 0]})
+        columns = self.documents[wanted]
+        by_document = dict(zip(wanted, zip(columns["input_ids"], columns["is_target"])))
+        return [[(by_document[doc][0][start:end], by_document[doc][1][start:end]) for doc, start, end in row.tolist()]
+                for row in rows]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        rows = [self._take_row() for _ in range(self.batch_size)]
+        return assemble_batch(self._read(rows), self.seq_len, self.pad_id, self.pack)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "row": self.row, "plan": self.plan_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["plan"] != self.plan_id:
+            raise DataError(f"this data state was saved for a different dataset or packing ({state['plan']}, now "
+                            f"{self.plan_id}): resume with the same data, seq_len, seed and data options")
+        self.epoch, self.row = int(state["epoch"]), int(state["row"])
+
+
+def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
+                      tokenizer_path: str | None) -> PackedDocuments:
+    check_files_config(cfg, tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_vocabulary(tokenizer, vocab_size, tokenizer_path)
+    source = resolve_source(cfg.path)
+    records = load_records(source, cfg)
+    fmt, field = record_format(cfg, records.column_names, cfg.path)
+    documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
+    long_docs = cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    stream = PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
+    log.info(stream.stats.line())
+    return stream
