@@ -57,6 +57,38 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When checkpoints are written to <output_dir>/checkpoints/step-<N>/ (0 disables a trigger)."""
+    every_steps: int = 200
+    every_minutes: float = 30.0
+    # Complete checkpoints kept; older ones are deleted only after a newer one is complete. 0 keeps all.
+    keep_last: int = 3
+    # LoRA on a random-init base: save the base once in <output_dir>/base_model/ so scripts/export.py can
+    # merge into it. False skips the copy (export is then refused for the run).
+    save_random_base: bool = True
+
+
+@dataclass
+class WandbConfig:
+    # offline (default: no account needed, `wandb sync <output_dir>/wandb/offline-run-*` later) | online |
+    # disabled. Files go to <output_dir>/wandb/.
+    mode: str = "offline"
+    project: str = "longctx"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Peak bf16 TFLOP/s of the accelerator, the MFU denominator (795 for an H100); no MFU on CPU.
+    peak_tflops: float = 795.0
+    # tqdm progress bar on an interactive terminal; log lines every `log_every` steps either way.
+    progress_bar: bool = True
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -70,6 +102,16 @@ class JobConfig:
     device: str = "auto"        # auto | cuda | cpu
     kernels: str = "auto"       # auto | triton | reference
     log_every: int = 10
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # auto: continue from the newest complete checkpoint in output_dir (the default output_dir is a new
+    # timestamped directory, so pass output_dir=<previous run dir> to continue a run); <path>: from that
+    # checkpoint directory; false: start fresh.
+    resume: str = "auto"
+    # Resume even when model/train/data/seq_len/batch_size/seed differ from the checkpoint's config.
+    resume_force: bool = False
+    # Non-finite loss or gradients skip the update; this many in a row stop the job.
+    max_bad_steps: int = 5
 
 
 def register_configs() -> None:

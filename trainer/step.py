@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from data import IGNORE_INDEX, Batch
+from trainer.guard import update_is_finite
 
 # Accuracy is logged only when the supervised tokens are few enough that their logits are cheap.
 MAX_ACCURACY_TOKENS = 4096
@@ -19,6 +20,8 @@ class StepResult:
     accuracy: float | None
     tokens: int
     supervised: int
+    # False when the loss or gradients were NaN/Inf and the update was skipped (trainer.guard).
+    applied: bool = True
 
 
 def autocast(device: torch.device):
@@ -45,7 +48,7 @@ def supervised_accuracy(model: torch.nn.Module, hidden: torch.Tensor, labels: to
 
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
                scheduler, grad_clip: float, device: torch.device) -> StepResult:
-    """Forward/backward every micro-batch, clip, update.
+    """Forward/backward every micro-batch, clip, update (skipped when the loss or gradients are not finite).
 
     The loss is the mean over all supervised tokens of the step (not a mean of micro-batch means), so
     accumulation over k micro-batches equals one batch k times larger.
@@ -64,7 +67,10 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
         accuracy = supervised_accuracy(model, hidden.detach(), batch.labels)
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else float("inf"))
-    optimizer.step()
+    applied = update_is_finite(total_loss, float(grad_norm))
+    if applied:
+        optimizer.step()
+    # The schedule advances on skipped steps too, so the learning rate is a function of the step alone.
     scheduler.step()
     return StepResult(loss=total_loss, grad_norm=float(grad_norm), accuracy=accuracy,
-                      tokens=sum(b.num_tokens for b in micro_batches), supervised=supervised)
+                      tokens=sum(b.num_tokens for b in micro_batches), supervised=supervised, applied=applied)
