@@ -29,21 +29,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 
-# Python sources of every kernel, so they can be re-wrapped if TRITON_INTERPRET changes after import
-# (triton.jit decides between compiling and interpreting when it decorates).
-_KERNEL_SOURCES = {}
-
-
-def _jit(fn):
-    _KERNEL_SOURCES[fn.__name__] = fn
-    return triton.jit(fn)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------
 
-@_jit
+@triton.jit
 def _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_DOCS: tl.constexpr):
     """Keys seen by queries [m_start, m_start + BLOCK_M): all in [lo, hi), every row sees all of
@@ -66,7 +56,7 @@ def _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: tl.constexpr, CAUSA
     return lo, full_lo, full_hi, hi
 
 
-@_jit
+@triton.jit
 def _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_DOCS: tl.constexpr):
     """Queries that see keys [n_start, n_start + BLOCK_N): all in [lo, hi), every query of
@@ -88,7 +78,7 @@ def _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N: tl.constexpr, CAU
     return lo, full_lo, full_hi, hi
 
 
-@_jit
+@triton.jit
 def _tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     """Split tiles of BLOCK starting at lo into a masked head run, an unmasked run inside
     [full_lo, full_hi) and a masked tail run up to hi; returns the three tile counts."""
@@ -100,7 +90,7 @@ def _tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     return head, mid, tail
 
 
-@_jit
+@triton.jit
 def _visible(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Mask of query/key pairs that attend: `other` (the key, or the query) must lie in the document
     [doc_lo, doc_hi) of the opposite side, both inside the sequence, and key <= query when causal."""
@@ -112,14 +102,14 @@ def _visible(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HA
     return visible
 
 
-@_jit
+@triton.jit
 def _head_desc(base, seqlen, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A [seqlen, HEAD_DIM] view of one head of one batch row, moved BLOCK tokens at a time."""
     return tl.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
                                      block_shape=[BLOCK, HEAD_DIM])
 
 
-@_jit
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, n_tiles, offs_m, row_doc_lo, row_doc_hi, seqlen,
                qk_scale_log2, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
                MASKED: tl.constexpr):
@@ -148,7 +138,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, n_tiles, offs_m, row_d
     return acc, l_i, m_i
 
 
-@_jit
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
@@ -197,7 +187,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@_jit
+@triton.jit
 def _attn_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh,
                            stride_dob, stride_dos, stride_doh, stride_dod, seqlen,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -216,7 +206,7 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh,
     tl.store(DELTA + (batch * tl.num_programs(1) + head) * seqlen + offs_m, delta, mask=row_ok)
 
 
-@_jit
+@triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, n_tiles, offs_m, row_doc_lo, row_doc_hi, seqlen,
               qk_scale_log2, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
               MASKED: tl.constexpr):
@@ -236,7 +226,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, n_tiles, offs_m, r
     return dq
 
 
-@_jit
+@triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
                         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -282,7 +272,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
     dq_desc.store([m_start, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
-@_jit
+@triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_tiles, offs_n, key_doc_lo,
                 key_doc_hi, seqlen, qk_scale_log2, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_DOCS: tl.constexpr, MASKED: tl.constexpr):
@@ -305,7 +295,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_ti
     return dk, dv
 
 
-@_jit
+@triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -375,29 +365,25 @@ _DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4
 _DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 4, 3), _config(64, 128, 8, 2)]
 _TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
 
-_kernels = {}
-_kernels_interpreted = None
 
 
 def _interpreting() -> bool:
+    # TRITON_INTERPRET must be set before triton is imported: triton.jit (ours and triton.language's own
+    # helpers) picks interpreter or compiler when it decorates. Here it only picks the launch config.
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_TUNED = {
+    "fwd": triton.autotune(_FWD_CONFIGS, _TUNE_KEY)(_attn_fwd_kernel),
+    "dq": triton.autotune(_DQ_CONFIGS, _TUNE_KEY)(_attn_bwd_dq_kernel),
+    "dkdv": triton.autotune(_DKDV_CONFIGS, _TUNE_KEY)(_attn_bwd_dkdv_kernel),
+}
+_PLAIN = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
+
+
 def _kernel(name: str):
-    """The launchable kernel `name` for the current mode: autotuned when compiled, plain when interpreted."""
-    global _kernels_interpreted
-    interpret = _interpreting()
-    if interpret != _kernels_interpreted:
-        # Re-wrap every kernel so that jit'd helpers called from kernels match the mode too.
-        globals().update({fn_name: triton.jit(fn) for fn_name, fn in _KERNEL_SOURCES.items()})
-        _kernels.clear()
-        _kernels_interpreted = interpret
-    if name not in _kernels:
-        configs = {"_attn_fwd_kernel": _FWD_CONFIGS, "_attn_bwd_dq_kernel": _DQ_CONFIGS,
-                   "_attn_bwd_dkdv_kernel": _DKDV_CONFIGS}.get(name)
-        kernel = globals()[name]
-        _kernels[name] = kernel if interpret or configs is None else triton.autotune(configs, _TUNE_KEY)(kernel)
-    return _kernels[name]
+    """Autotuned when compiled; one fixed small config under the interpreter."""
+    return _PLAIN[name] if _interpreting() else _TUNED[name]
 
 
 def _launch_options() -> dict:
@@ -474,7 +460,7 @@ def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: floa
     def grid(meta):
         return triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch
 
-    _kernel("_attn_fwd_kernel")[grid](
+    _kernel("fwd")[grid](
         q, k, v, out, lse, doc_start, doc_end, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
         seqlen, sm_scale * LOG2E, _seq_bucket(seqlen),
         GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=has_docs, **_launch_options())
@@ -488,7 +474,7 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     has_docs = doc_start is not None
     delta = torch.empty_like(lse)
     delta_block = 16 if _interpreting() else 128
-    _kernel("_attn_bwd_delta_kernel")[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
+    _attn_bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
         out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
 
     if not _tma_compatible(do):
@@ -499,9 +485,9 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     common = dict(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=has_docs, **_launch_options())
     args = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), seqlen, sm_scale, sm_scale * LOG2E,
             _seq_bucket(seqlen))
-    _kernel("_attn_bwd_dq_kernel")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch)](
+    _kernel("dq")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch)](
         q, k, v, do, dq, lse, delta, doc_start, doc_end, *args, *_strides3(dq), **common)
-    _kernel("_attn_bwd_dkdv_kernel")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), kv_heads, batch)](
+    _kernel("dkdv")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), kv_heads, batch)](
         q, k, v, do, dk, dv, lse, delta, doc_start, doc_end, *args, *_strides3(dk), *_strides3(dv), **common)
     return dq, dk, dv
 

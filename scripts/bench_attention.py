@@ -1,0 +1,137 @@
+"""Benchmark kernels.flash_attention against PyTorch's attention backends on one GPU.
+
+Causal, B=1, 32 query heads, 8 KV heads, D=128, bf16, side by side in one run with
+scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_ATTENTION, and
+torch.compile(flex_attention) with a causal block mask. TFLOP/s count causal FLOPs: forward 2*S^2*D per
+head, backward 2.5x that. Then the packed case: a pack of 16 documents of 4k tokens against 16 separate
+4k calls and against FlexAttention with a document-causal block mask.
+
+    python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import flash_attention as fa  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+compiled_flex = torch.compile(flex_attention)
+
+
+def causal_flops(doc_lengths: list[int], backward: bool) -> float:
+    forward = sum(2.0 * n * n * HEAD_DIM * Q_HEADS for n in doc_lengths)
+    return forward * (3.5 if backward else 1.0)
+
+
+def make_inputs(seqlen: int):
+    make = lambda heads: torch.randn(1, seqlen, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                     requires_grad=True)
+    return make(Q_HEADS), make(KV_HEADS), make(KV_HEADS)
+
+
+def sdpa(backend):
+    def run(q, k, v):  # SDPA wants [B, H, S, D]; the transposes are views
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
+def flex(block_mask):
+    def run(q, k, v):
+        out = compiled_flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                            enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def time_ms(fn, q, k, v, backward: bool) -> float:
+    if not backward:
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: fn(q, k, v), warmup=50, rep=300, return_mode="median")
+    grad_out = torch.randn_like(q)
+
+    def step():
+        torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
+    return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+
+
+def measure(name, fn, inputs, doc_lengths, results):
+    row = {}
+    for backward in (False, True):
+        try:
+            ms = time_ms(fn, *inputs, backward)
+            row["fwd+bwd" if backward else "fwd"] = (ms, causal_flops(doc_lengths, backward) / ms / 1e9)
+        except Exception as error:  # a backend that refuses this shape is reported, not fatal
+            row["fwd+bwd" if backward else "fwd"] = None
+            print(f"  {name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    results.append((name, row))
+    cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s" if v else f"{k} failed" for k, v in row.items()]
+    print(f"  {name:<28}" + " | ".join(cells), flush=True)
+
+
+def bench_causal(seqlen: int, results):
+    print(f"S={seqlen}", flush=True)
+    inputs = make_inputs(seqlen)
+    block_mask = create_block_mask(causal_mask, None, None, seqlen, seqlen)
+    for name, fn in (("flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True)),
+                     ("sdpa FLASH_ATTENTION", sdpa(SDPBackend.FLASH_ATTENTION)),
+                     ("sdpa CUDNN_ATTENTION", sdpa(SDPBackend.CUDNN_ATTENTION)),
+                     ("flex_attention compiled", flex(block_mask))):
+        measure(f"S={seqlen} {name}", fn, inputs, [seqlen], results)
+    print("  tuned:", {k: str(t.best_config) for k, t in fa._TUNED.items() if getattr(t, "best_config", None)},
+          flush=True)
+
+
+def bench_packed(num_docs: int, doc_len: int, results):
+    total = num_docs * doc_len
+    print(f"packed: {num_docs} x {doc_len} documents in one {total}-token row", flush=True)
+    inputs = make_inputs(total)
+    cu_seqlens = torch.arange(0, total + 1, doc_len, device="cuda", dtype=torch.int32)
+    doc_of = torch.arange(total, device="cuda") // doc_len
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_of[q_idx] == doc_of[kv_idx])
+
+    def separate_calls(q, k, v):
+        return torch.cat([fa.flash_attention(q[:, s:s + doc_len], k[:, s:s + doc_len], v[:, s:s + doc_len])
+                          for s in range(0, total, doc_len)], dim=1)
+    block_mask = create_block_mask(document_causal, None, None, total, total)
+    lengths = [doc_len] * num_docs
+    measure("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens), inputs,
+            lengths, results)
+    measure(f"ours {num_docs} separate calls", separate_calls, inputs, lengths, results)
+    measure("packed flex doc-causal", flex(block_mask), inputs, lengths, results)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--packed", type=int, nargs=2, default=[16, 4096], metavar=("DOCS", "LEN"))
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    results = []
+    for seqlen in args.seqlens:
+        bench_causal(seqlen, results)
+    bench_packed(*args.packed, results)
+    print("\n| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
+    for name, row in results:
+        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f}" if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

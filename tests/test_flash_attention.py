@@ -1,0 +1,238 @@
+"""kernels.flash_attention against kernels.reference.attention: forward and every gradient.
+
+CPU tests run the kernels through Triton's interpreter (fp32/fp16 only: the interpreter computes tl.dot on
+bf16 operands wrongly) on small odd shapes. GPU tests run the compiled kernels in bf16 against the fp32
+reference and need CUDA; they skip cleanly without it.
+"""
+import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.flash_attention import flash_attention
+
+CUDA = torch.cuda.is_available()
+# fp32 through the interpreter is exact up to summation order; fp16 operands round to 11 bits.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert not torch.isnan(actual).any(), "NaN in result"
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, device="cpu"):
+    make = lambda heads: torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+    return make(q_heads), make(kv_heads), make(kv_heads)
+
+
+def _random_cu_seqlens(total: int, generator: torch.Generator) -> torch.Tensor:
+    """Offsets of documents of random lengths 1..total covering the token axis, with an empty one too."""
+    cuts = torch.randperm(total - 1, generator=generator)[: max(1, total // 12)] + 1
+    offsets = torch.cat([torch.tensor([0, 0]), cuts.sort().values, torch.tensor([1, total])])
+    return offsets.sort().values.to(torch.int32)
+
+
+def _check_against_reference(q, k, v, causal, cu_seqlens=None, grad_out=None, tolerance=None):
+    out = flash_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens)
+    grad_out = torch.randn_like(out) if grad_out is None else grad_out
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref = reference.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens=cu_seqlens)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out.float()) if q.dtype == torch.float32 else \
+        _fp32_grads(q, k, v, causal, cu_seqlens, grad_out)
+    tolerance = tolerance or TOLERANCE[q.dtype]
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert actual.shape == expected.shape and actual.dtype == q.dtype, name
+        if expected.abs().max() == 0:  # e.g. dq, dk at S=1: softmax over one key has zero gradient
+            assert actual.abs().max() < 1e-5, name
+        else:
+            assert _rel_err(actual, expected) < tolerance, (name, _rel_err(actual, expected))
+
+
+def _fp32_grads(q, k, v, causal, cu_seqlens, grad_out):
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=causal, cu_seqlens=cu_seqlens)
+    return torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+
+
+# (batch, seqlen, q_heads, kv_heads, head_dim, causal, dtype): S in {1, 17, 128, 200}, groups 1/4/8.
+CASES = [
+    (1, 1, 2, 2, 64, True, torch.float32),
+    (2, 1, 4, 1, 128, False, torch.float32),
+    (2, 17, 4, 1, 64, True, torch.float32),
+    (1, 17, 8, 1, 64, False, torch.float16),
+    (1, 128, 2, 2, 64, True, torch.float16),
+    (1, 128, 8, 1, 64, True, torch.float32),
+    (1, 200, 4, 1, 64, False, torch.float32),
+    (1, 200, 2, 2, 128, True, torch.float32),
+    (2, 130, 4, 1, 128, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype", CASES)
+def test_matches_reference(batch, seqlen, q_heads, kv_heads, head_dim, causal, dtype):
+    torch.manual_seed(seqlen * 7 + q_heads)
+    _check_against_reference(*_inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_documents_match_reference(causal, dtype):
+    generator = torch.Generator().manual_seed(3 + causal)
+    torch.manual_seed(11)
+    batch, seqlen = 2, 75
+    cu_seqlens = _random_cu_seqlens(batch * seqlen, generator)
+    _check_against_reference(*_inputs(batch, seqlen, 4, 1, 64, dtype), causal, cu_seqlens)
+
+
+def test_all_length_one_documents():
+    torch.manual_seed(5)
+    q, k, v = _inputs(1, 33, 2, 1, 64, torch.float32)
+    _check_against_reference(q, k, v, True, torch.arange(34, dtype=torch.int32))
+
+
+def test_strided_inputs_and_grad_out():
+    """q/k/v as views of one fused projection and a transposed dO go through strides, without copies."""
+    torch.manual_seed(9)
+    batch, seqlen, q_heads, kv_heads, head_dim = 1, 40, 4, 2, 64
+    fused = torch.randn(batch, seqlen, (q_heads + 2 * kv_heads) * head_dim, requires_grad=True)
+    q, k, v = fused.view(batch, seqlen, q_heads + 2 * kv_heads, head_dim).split([q_heads, kv_heads, kv_heads], 2)
+    grad_out = torch.randn(batch, q_heads, seqlen, head_dim).transpose(1, 2)
+    assert not q.is_contiguous() and not grad_out.is_contiguous()
+    out = flash_attention(q, k, v, causal=True)
+    (grad,) = torch.autograd.grad(out, fused, grad_out)
+    ref = reference.attention(q, k, v, causal=True)
+    (ref_grad,) = torch.autograd.grad(ref, fused, grad_out)
+    assert _rel_err(out, ref) < 2e-5 and _rel_err(grad, ref_grad) < 2e-5
+
+
+def test_broadcast_grad_out():
+    """out.sum() hands a stride-0 gradient."""
+    torch.manual_seed(2)
+    q, k, v = _inputs(1, 20, 2, 1, 64, torch.float32)
+    flash_attention(q, k, v).sum().backward()
+    ref_grads = torch.autograd.grad(reference.attention(q, k, v).sum(), (q, k, v))
+    for actual, expected in zip((q.grad, k.grad, v.grad), ref_grads):
+        assert _rel_err(actual, expected) < 2e-5
+
+
+def test_softmax_scale():
+    torch.manual_seed(4)
+    q, k, v = _inputs(1, 24, 2, 1, 64, torch.float32)
+    out = flash_attention(q, k, v, causal=False, softmax_scale=0.3)
+    assert _rel_err(out, reference.attention(q, k, v, causal=False, softmax_scale=0.3)) < 2e-5
+
+
+@pytest.mark.parametrize("make_args,error,match", [
+    (lambda: _inputs(1, 8, 2, 1, 96, torch.float32), ValueError, "head dim 96"),
+    (lambda: _inputs(1, 8, 2, 1, 64, torch.float64), TypeError, "dtype"),
+    (lambda: _inputs(1, 8, 3, 2, 64, torch.float32), ValueError, "multiple"),
+    (lambda: (*_inputs(1, 8, 2, 1, 64, torch.float32)[:2], torch.randn(1, 9, 1, 64)), ValueError, "mismatch"),
+    (lambda: (torch.randn(1, 8, 2, 128)[..., ::2], *_inputs(1, 8, 2, 1, 64, torch.float32)[1:]), ValueError,
+     "contiguous last dim"),
+])
+def test_launch_checks(make_args, error, match):
+    with pytest.raises(error, match=match):
+        flash_attention(*make_args())
+
+
+def test_bad_cu_seqlens():
+    q, k, v = _inputs(1, 8, 2, 1, 64, torch.float32)
+    with pytest.raises(ValueError, match="end at"):
+        flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 4, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_runs_after_kernels_and_model_were_imported():
+    """The suite's order: other test modules import kernels and the model (no Triton yet) before this one."""
+    tests_dir = os.path.dirname(__file__)
+    script = (
+        "import sys, torch, kernels, model.llama\n"
+        f"sys.path.insert(0, {tests_dir!r}); import conftest_kernels\n"
+        "kernels.set_backend('triton')\n"
+        "q = torch.randn(1, 5, 2, 64, requires_grad=True)\n"
+        "out = kernels.attention(q, q.detach()[:, :, :1], q.detach()[:, :, 1:])\n"
+        "out.sum().backward(); assert not q.grad.isnan().any(); print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(tests_dir)}
+    env.pop("TRITON_INTERPRET")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU: compiled kernels, bf16, against the fp32 reference and against the same math done by PyTorch in bf16
+# ------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Run the real compiled kernels: this module turned the interpreter on for the CPU tests."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _torch_attention_in_dtype(q, k, v, causal, cu_seqlens=None):
+    """The reference's math without upcasting: PyTorch's own low-precision attention."""
+    batch, seqlen, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    if cu_seqlens is not None:
+        q, k, v = (t.reshape(1, batch * seqlen, *t.shape[2:]) for t in (q, k, v))
+    qt = q.transpose(1, 2)
+    kt, vt = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (qt @ kt.transpose(-1, -2)) * head_dim ** -0.5
+    total = qt.shape[2]
+    allowed = torch.ones(total, total, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    if cu_seqlens is not None:
+        doc = reference.document_ids(cu_seqlens, total)
+        allowed &= doc[:, None] == doc[None, :]
+    out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vt
+    return out.transpose(1, 2).reshape(batch, seqlen, q_heads, head_dim)
+
+
+def _check_bf16_against_torch(batch, seqlen, q_heads, kv_heads, cu_seqlens=None):
+    torch.manual_seed(seqlen)
+    q, k, v = _inputs(batch, seqlen, q_heads, kv_heads, 128, torch.bfloat16, "cuda")
+    out = flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+    grad_out = torch.randn_like(out)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    lowp = _torch_attention_in_dtype(q, k, v, True, cu_seqlens)
+    torch_bf16 = (lowp, *torch.autograd.grad(lowp, (q, k, v), grad_out))
+    del lowp
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=True, cu_seqlens=cu_seqlens)
+    exact = (ref, *torch.autograd.grad(ref, (q32, k32, v32), grad_out.float()))
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, torch_bf16, exact):
+        ours_err, torch_err = _rel_err(a, r), _rel_err(b, r)
+        print(f"S={seqlen} {name}: flash_attention {ours_err:.2e}, torch bf16 {torch_err:.2e}")
+        assert ours_err <= 2 * torch_err, (name, ours_err, torch_err)
+
+
+@gpu
+@pytest.mark.parametrize("seqlen,q_heads,kv_heads", [(4096, 32, 8), (16384, 4, 1)])
+def test_gpu_bf16_error_within_twice_torch_bf16(compiled, seqlen, q_heads, kv_heads):
+    _check_bf16_against_torch(1, seqlen, q_heads, kv_heads)
+
+
+@gpu
+def test_gpu_packed_documents_bf16(compiled):
+    cu_seqlens = _random_cu_seqlens(2 * 4096, torch.Generator().manual_seed(1)).cuda()
+    _check_bf16_against_torch(2, 4096, 8, 2, cu_seqlens)
+
+
+@gpu
+def test_gpu_deterministic(compiled):
+    torch.manual_seed(0)
+    q, k, v = _inputs(1, 8192, 32, 8, 128, torch.bfloat16, "cuda")
+    grad_out = torch.randn_like(q)
+    runs = [torch.autograd.grad(flash_attention(q, k, v), (q, k, v), grad_out) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
