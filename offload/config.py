@@ -1,0 +1,31 @@
+"""The `memory` config group: how activations are kept between forward and backward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class MemoryConfig:
+    # Per-layer activation checkpointing (offload.policy): only each decoder layer's input is kept, the
+    # layer is recomputed in the backward. False runs plain autograd (every activation kept on the GPU).
+    checkpoint: bool = True
+    # Copy the kept layer inputs to pinned host memory on a side CUDA stream. False keeps them on the GPU.
+    offload: bool = True
+    # Layers (the first k) whose inputs stay on the GPU. None: as many as the planner finds room for.
+    gpu_layers: Optional[int] = None
+    # Layers whose inputs are not kept at all but recomputed in the backward from the previous layer's
+    # input (one extra layer forward each). Needed when host memory cannot hold every input (524k tokens
+    # on a 128 GiB host). None: as few as the planner needs.
+    recomputed_inputs: Optional[int] = None
+    # The MLP runs in sequence tiles of this many tokens (recomputed per tile in the backward), so its
+    # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
+    mlp_tile_tokens: int = 16384
+    mlp_tiles: Optional[int] = None
+    # Capacities the planner fits into; None reads the machine (GPU total memory, host MemTotal).
+    gpu_memory_gib: Optional[float] = None
+    host_memory_gib: Optional[float] = None
+    # Share of host memory that may be page-locked (104 of 125 GiB could be on the benchmark machine).
+    pinnable_fraction: float = 0.8
+    # Refuse to build the model when the plan does not fit (the error gives the numbers and the fix).
+    check: bool = True

@@ -1,0 +1,235 @@
+"""The memory policy: per-layer checkpointing with offloaded layer inputs, and sequence-tiled MLPs.
+
+`apply_memory_policy(model, plan)` replaces `LlamaModel.run_layer` on the instance (the model code knows
+nothing of this) and the MLPs' `forward`. Per decoder layer, only its input survives the forward; it is
+kept on the GPU, copied to pinned host memory on a side stream while the next layer computes, or not kept
+at all and recomputed from the previous layer's input ("gpu" / "host" / "recompute" placements). The
+backward of layer i starts the host-to-GPU copy of the input needed next, recomputes layer i with grad
+and back-propagates through it; LoRA parameters accumulate their gradients there, as in reentrant
+checkpointing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.engine import CopyEngine, HostCopy, PendingTensor
+
+PLACEMENTS = ("gpu", "host", "recompute")
+
+
+@dataclass
+class ReplayState:
+    """Autocast and RNG state of a forward, so its recomputation computes the same values (dropout too)."""
+    device: torch.device
+    autocast: bool
+    autocast_dtype: torch.dtype
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "ReplayState":
+        kind = device.type
+        return cls(device, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                   torch.get_rng_state(), torch.cuda.get_rng_state(device) if kind == "cuda" else None)
+
+    @contextlib.contextmanager
+    def replay(self):
+        devices = [self.device] if self.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+                yield
+
+
+def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
+    step = -(-rows // tiles)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+class TokenTiled(torch.autograd.Function):
+    """y = fn(x) for a per-token fn, computed in row tiles of the flattened tokens; only x is saved and
+    each tile is recomputed in the backward, so one tile's intermediates exist at a time."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, fn, tiles):
+        ctx.fn, ctx.tiles, ctx.replay = fn, tiles, ReplayState.capture(x.device)
+        ctx.save_for_backward(x)
+        rows = x.view(-1, x.shape[-1])              # a view: a non-contiguous x is an error, never a copy
+        out = None
+        for start, end in _row_ranges(rows.shape[0], tiles):
+            tile_out = fn(rows[start:end])
+            if out is None:
+                out = tile_out.new_empty(rows.shape[0], tile_out.shape[-1])
+            out[start:end] = tile_out
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, = ctx.saved_tensors
+        rows, grad_rows = x.view(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        want_input_grad = ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(rows) if want_input_grad else None
+        with torch.enable_grad(), ctx.replay.replay():
+            for start, end in _row_ranges(rows.shape[0], ctx.tiles):
+                tile = rows[start:end].detach().requires_grad_(want_input_grad)
+                tile_out = ctx.fn(tile)
+                if tile_out.requires_grad:
+                    torch.autograd.backward(tile_out, grad_rows[start:end])
+                if want_input_grad:
+                    grad_x[start:end] = tile.grad
+        return None, None if grad_x is None else grad_x.view_as(x), None, None
+
+
+class TiledForward:
+    """Replacement `forward` of a per-token module (the MLP): tiles when grad is on and tiles > 1."""
+
+    def __init__(self, forward, tiles: int, anchor: torch.Tensor):
+        self.forward, self.tiles, self.anchor = forward, tiles, anchor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return TokenTiled.apply(self.anchor, x, self.forward, self.tiles)
+
+
+@dataclass
+class StoredInput:
+    placement: str
+    payload: torch.Tensor | HostCopy | PendingTensor | None
+    replay: ReplayState
+
+
+class LayerInputStore:
+    """Holds each layer's input from its forward to its backward, and prefetches in the backward."""
+
+    def __init__(self, placements: list[str], engine: CopyEngine):
+        unknown = set(placements) - set(PLACEMENTS)
+        if unknown:
+            raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
+        if placements and placements[0] == "recompute" or any(
+                a == b == "recompute" for a, b in zip(placements, placements[1:])):
+            raise ValueError("a 'recompute' layer needs the previous layer's input kept: not layer 0, never two "
+                             f"in a row; got {placements}")
+        self.placements, self.engine = placements, engine
+        self.stored: dict[int, StoredInput] = {}
+
+    def keep(self, index: int, hidden: torch.Tensor) -> None:
+        placement = self.placements[index]
+        payload = {"gpu": lambda: hidden.detach(), "recompute": lambda: None,
+                   "host": lambda: self.engine.to_host(("layer_input", index), hidden.detach())}[placement]()
+        self.stored[index] = StoredInput(placement, payload, ReplayState.capture(hidden.device))
+
+    def replay_state(self, index: int) -> ReplayState:
+        return self.stored[index].replay
+
+    def source(self, index: int) -> int:
+        """The layer whose kept input the input of `index` is rebuilt from."""
+        return index - 1 if self.placements[index] == "recompute" else index
+
+    def take(self, index: int) -> torch.Tensor:
+        """The input of layer `index` on the device, waiting for its copy if one is in flight."""
+        record = self.stored[index]
+        if isinstance(record.payload, HostCopy):
+            record.payload = self.engine.to_device(record.payload)
+        if isinstance(record.payload, PendingTensor):
+            record.payload = record.payload.wait()
+        return record.payload
+
+    def release(self, index: int) -> None:
+        """Layer `index`'s backward is done: its input is no longer needed."""
+        self.stored.pop(index, None)
+
+    def prefetch_below(self, index: int) -> None:
+        """Start copying back the next kept input below `index`, to overlap this layer's backward."""
+        below = [i for i in self.stored if i < index and self.stored[i].placement != "recompute"]
+        if below and isinstance(self.stored[max(below)].payload, HostCopy):
+            record = self.stored[max(below)]
+            record.payload = self.engine.to_device(record.payload)
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """One decoder layer that keeps only its input (through the store) and recomputes itself in backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, hidden, policy, index, rope, cu_seqlens):
+        ctx.policy, ctx.index, ctx.rope, ctx.cu_seqlens = policy, index, rope, cu_seqlens
+        policy.store.keep(index, hidden)
+        return policy.layers[index](hidden, rope, cu_seqlens)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        policy, index = ctx.policy, ctx.index
+        replay = policy.store.replay_state(index)
+        want_input_grad = ctx.needs_input_grad[1]
+        hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
+        with torch.enable_grad(), replay.replay():
+            out = policy.layers[index](hidden, ctx.rope, ctx.cu_seqlens)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_out)
+        policy.store.release(index)
+        return None, hidden.grad if want_input_grad else None, None, None, None, None
+
+
+class MemoryPolicy:
+    """Installed on a LlamaModel by `apply_memory_policy`; `stats()` gives per-step offload metrics."""
+
+    def __init__(self, decoder: nn.Module, placements: list[str] | None, mlp_tiles: int, device: torch.device):
+        self.decoder = decoder
+        self.layers = list(decoder.layers)
+        self.index_of = {id(layer): i for i, layer in enumerate(self.layers)}
+        self.engine = CopyEngine(device)
+        self.store = LayerInputStore(placements, self.engine) if placements is not None else None
+        # Custom Functions run their backward only if some input needs grad; layer 0's input (a frozen
+        # embedding's output) does not, so every call also takes this one.
+        self.anchor = torch.empty(0, requires_grad=True)
+        self.mlp_tiles = mlp_tiles
+
+    def install(self) -> "MemoryPolicy":
+        if self.store is not None:
+            self.decoder.run_layer = self.run_layer
+        if self.mlp_tiles > 1:
+            for layer in self.layers:
+                layer.mlp.forward = TiledForward(layer.mlp.forward, self.mlp_tiles, self.anchor)
+        return self
+
+    def remove(self) -> None:
+        """Restore the plain model (and drop the pinned pool)."""
+        self.decoder.__dict__.pop("run_layer", None)
+        for layer in self.layers:
+            layer.mlp.__dict__.pop("forward", None)
+        self.engine.pool.buffers.clear()
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return layer(hidden, rope, cu_seqlens)
+        return OffloadedCheckpoint.apply(self.anchor, hidden, self, self.index_of[id(layer)], rope, cu_seqlens)
+
+    def layer_input(self, index: int, rope, cu_seqlens) -> torch.Tensor:
+        """Layer `index`'s input for its backward: fetched, or rebuilt by re-running the layer below."""
+        source = self.store.source(index)
+        self.store.prefetch_below(source)
+        hidden = self.store.take(source)
+        if source == index:
+            return hidden
+        with torch.no_grad(), self.store.replay_state(source).replay():
+            return self.layers[source](hidden, rope, cu_seqlens)
+
+    def stats(self) -> dict[str, float]:
+        """Offload metrics since the last call (pinned GiB, copy GB/s, hidden copy fraction)."""
+        return self.engine.take_stats()
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The LlamaModel inside a Llama, possibly wrapped by peft."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model
+
+
+def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,
+                        device: torch.device) -> MemoryPolicy:
+    """Install checkpointing (placements per layer, None = off) and MLP tiling (tiles > 1) on `model`."""
+    return MemoryPolicy(decoder_of(model), placements, mlp_tiles, device).install()
