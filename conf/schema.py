@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from data.config import DataConfig
+from offload.config import MemoryConfig
 
 
 @dataclass
@@ -112,6 +113,8 @@ class JobConfig:
     resume_force: bool = False
     # Non-finite loss or gradients skip the update; this many in a row stop the job.
     max_bad_steps: int = 5
+    # Activation checkpointing, host offload and MLP tiling, planned to fit the GPU and host (offload/).
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 def register_configs() -> None:
