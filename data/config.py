@@ -10,9 +10,10 @@ class DataConfig:
     # recall: the embedded synthetic long-range key->value recall task.
     # files: local json/jsonl/parquet/text files, folders or globs of them, or a save_to_disk directory.
     name: str = "recall"
-    # Recall task: `num_pairs` key/value bigrams scattered through filler, then `num_queries` queries
-    # "QUERY key" whose answer (the paired value) is the only supervised token.
+    # Recall task: `num_pairs` key/value bigrams, each occurring `repeats` times scattered through filler,
+    # then `num_queries` queries "QUERY key"; recalled values are the only supervised tokens.
     num_pairs: int = 16
+    repeats: int = 4
     num_queries: int = 4
     num_keys: int = 64
     num_values: int = 32

@@ -1,8 +1,10 @@
 """Synthetic long-range recall: the embedded default task, needing no tokenizer and no files.
 
 Each sequence is BOS, filler noise with key/value bigrams scattered through it, then queries
-"QUERY key" at the end. The model must find the key far back and copy the value that followed it; only
-the answers are supervised, so chance accuracy is 1 / num_values.
+"QUERY key" at the end. Every key recurs `repeats` times with the same value; from its second occurrence
+on, and at the queries, the model must find the key further back and copy the value that followed it.
+Only those recalled values are supervised, so chance accuracy is 1 / num_values. The repeats make the
+signal dense enough for a tiny model to learn retrieval (an induction circuit) within minutes on a CPU.
 """
 from __future__ import annotations
 
@@ -46,10 +48,17 @@ class RecallTask:
         keys = FIRST_KEY + torch.randperm(cfg.num_keys, generator=generator)[:cfg.num_pairs]
         values = self.first_value + torch.randint(0, cfg.num_values, (cfg.num_pairs,), generator=generator)
         query_start = length - 2 * cfg.num_queries
-        # Pairs occupy disjoint 2-token slots spread over the whole body, so some are far from the queries.
-        slots = 1 + 2 * torch.randperm((query_start - 1) // 2, generator=generator)[:cfg.num_pairs]
-        tokens[slots], tokens[slots + 1] = keys, values
+        # Occurrences take disjoint 2-token slots spread over the whole body, in random order.
+        occurrences = cfg.num_pairs * cfg.repeats
+        slots = 1 + 2 * torch.randperm((query_start - 1) // 2, generator=generator)[:occurrences].sort().values
+        pair_of_slot = torch.arange(cfg.num_pairs).repeat(cfg.repeats)[torch.randperm(occurrences, generator=generator)]
+        tokens[slots], tokens[slots + 1] = keys[pair_of_slot], values[pair_of_slot]
         labels = torch.full((length,), IGNORE_INDEX)
+        seen = set()
+        for slot, pair in zip(slots.tolist(), pair_of_slot.tolist()):
+            if pair in seen:
+                labels[slot] = values[pair]        # a recurrence: its value was shown earlier
+            seen.add(pair)
         asked = torch.randperm(cfg.num_pairs, generator=generator)[:cfg.num_queries]
         for i, pair in enumerate(asked.tolist()):
             at = query_start + 2 * i
@@ -77,8 +86,11 @@ def check_recall_config(cfg: DataConfig, seq_len: int, vocab_size: int) -> None:
     if not 1 <= cfg.num_queries <= cfg.num_pairs:
         raise ValueError(f"data.num_queries ({cfg.num_queries}) must be between 1 and data.num_pairs "
                          f"({cfg.num_pairs})")
+    if cfg.repeats < 1:
+        raise ValueError(f"data.repeats={cfg.repeats} must be at least 1")
     body = seq_len - 2 * cfg.num_queries - 1
-    if body // 2 < cfg.num_pairs:
-        raise ValueError(f"seq_len={seq_len} is too short for data.num_pairs={cfg.num_pairs} and "
-                         f"data.num_queries={cfg.num_queries}: use seq_len >= "
-                         f"{2 * cfg.num_pairs + 2 * cfg.num_queries + 2} or fewer pairs")
+    occurrences = cfg.num_pairs * cfg.repeats
+    if body // 2 < occurrences:
+        raise ValueError(f"seq_len={seq_len} is too short for data.num_pairs={cfg.num_pairs} x "
+                         f"data.repeats={cfg.repeats} and data.num_queries={cfg.num_queries}: use seq_len >= "
+                         f"{2 * occurrences + 2 * cfg.num_queries + 2} or fewer pairs/repeats")

@@ -1,0 +1,84 @@
+"""Loading local HF checkpoints: sharded or not, and clear errors for broken directories."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model import CheckpointError, Llama
+
+TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, model_type="llama")
+
+
+def write_checkpoint(path, shards: int = 1, with_index: bool = True):
+    model = Llama.from_config(TINY)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    (path / "config.json").write_text(json.dumps(TINY))
+    weight_map = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: state[name] for name in names[shard::shards]}
+        save_file(part, str(path / file))
+        weight_map.update({name: file for name in part})
+    if with_index:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return model
+
+
+@pytest.mark.parametrize("shards,with_index", [(1, False), (3, True), (2, False)])
+def test_sharded_checkpoints_load_identically(tmp_path, shards, with_index):
+    original = write_checkpoint(tmp_path, shards, with_index)
+    loaded = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_dtype_is_applied(tmp_path):
+    write_checkpoint(tmp_path)
+    loaded = Llama.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+def test_missing_directory_names_the_path(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere"):
+        Llama.from_pretrained(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_missing_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_missing_shard_named_by_index(tmp_path):
+    write_checkpoint(tmp_path, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_missing_tensor_is_listed(tmp_path):
+    write_checkpoint(tmp_path, shards=2, with_index=False)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing .* tensors"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "intermediate_size": 64}))
+    with pytest.raises(CheckpointError, match="mlp.*shape"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_malformed_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        Llama.from_pretrained(tmp_path)
