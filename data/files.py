@@ -73,7 +73,11 @@ def resolve_source(path: str | None) -> LocalSource:
     unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
     if unreadable:
         raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
-    return LocalSource(path, supported, builders.pop())
+    # datasets' readers fail obscurely on empty files; they hold no records anyway.
+    non_empty = [file for file in supported if file.stat().st_size > 0]
+    if not non_empty:
+        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty")
+    return LocalSource(path, non_empty, builders.pop())
 
 
 def check_files_config(cfg: DataConfig, tokenizer_path: str | None) -> None:
@@ -214,18 +218,18 @@ class PackedDocuments:
     def _plan_epoch(self, epoch: int) -> None:
         self.order = epoch_order(len(self.pieces), self.seed, epoch)
         piece_lengths = self.pieces[self.order, 2] - self.pieces[self.order, 1]
-        self.row_bounds = pack_rows(piece_lengths, self.seq_len, self.pack)
+        self.rows = pack_rows(piece_lengths, self.seq_len, self.pack)
         self.planned_epoch = epoch
 
     @property
     def rows_in_epoch(self) -> int:
-        return len(self.row_bounds) - 1
+        return len(self.rows)
 
     def _take_row(self) -> np.ndarray:
         """The pieces of the next row, moving to the next epoch's plan when this one is used up."""
         if self.planned_epoch != self.epoch:
             self._plan_epoch(self.epoch)
-        row = self.pieces[self.order[self.row_bounds[self.row]:self.row_bounds[self.row + 1]]]
+        row = self.pieces[self.order[self.rows[self.row]]]
         self.row += 1
         if self.row == self.rows_in_epoch:
             self.epoch, self.row = self.epoch + 1, 0

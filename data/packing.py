@@ -65,22 +65,36 @@ def epoch_order(num_pieces: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_pieces)
 
 
-def pack_rows(piece_lengths: np.ndarray, seq_len: int, pack: bool) -> np.ndarray:
-    """Row boundaries over pieces taken in the given order: row r holds pieces bounds[r]:bounds[r + 1].
+# Open rows a piece may still go into: 32 cuts padding from ~27% (next-fit) to ~4% on uniform lengths
+# while a million pieces still plan in a few seconds.
+PACKING_WINDOW = 32
 
-    Packing is next-fit: a piece that does not fit in the current row starts the next one, so pieces are
-    never reordered (the shuffle alone decides the order) and no piece is cut at a row boundary.
+
+def pack_rows(piece_lengths: np.ndarray, seq_len: int, pack: bool, window: int = PACKING_WINDOW) -> list[list[int]]:
+    """Group pieces, taken in the given order, into rows of at most seq_len tokens: lists of indices.
+
+    First-fit over the `window` most recently opened rows: a piece goes into the first of them with room,
+    else opens a new row, closing the oldest when more than `window` are open. Rows come out in the
+    order they close. Deterministic in the lengths, and a piece is never cut at a row boundary.
     """
     if not pack:
-        return np.arange(len(piece_lengths) + 1)
-    bounds, used = [0], 0
+        return [[index] for index in range(len(piece_lengths))]
+    closed: list[list[int]] = []
+    rows: list[list[int]] = []
+    room: list[int] = []
     for index, length in enumerate(piece_lengths.tolist()):
-        if used + length > seq_len:
-            bounds.append(index)
-            used = 0
-        used += length
-    bounds.append(len(piece_lengths))
-    return np.asarray(bounds)
+        slot = next((slot for slot, free in enumerate(room) if length <= free), None)
+        if slot is None:
+            rows.append([])
+            room.append(seq_len)
+            slot = len(rows) - 1
+        rows[slot].append(index)
+        room[slot] -= length
+        closing = slot if room[slot] == 0 else 0 if len(rows) > window else None
+        if closing is not None:
+            closed.append(rows.pop(closing))
+            room.pop(closing)
+    return closed + rows
 
 
 Document = tuple[list[int], list[bool]]     # token ids, and whether each token is a training target
