@@ -203,6 +203,15 @@ class MemoryPolicy:
             layer.mlp.__dict__.pop("forward", None)
         self.engine.pool.buffers.clear()
 
+    def pin_buffers(self, batch_size: int, seq_len: int, dtype: torch.dtype) -> None:
+        """Allocate the pinned buffers of the host-placed inputs now (~0.6 s/GiB), not in the first step."""
+        if self.store is None:
+            return
+        nbytes = batch_size * seq_len * self.decoder.cfg.hidden_size * dtype.itemsize
+        for index, placement in enumerate(self.store.placements):
+            if placement == "host":
+                self.engine.pool.get(("layer_input", index), nbytes)
+
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return layer(hidden, rope, cu_seqlens)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from conf.validate import ConfigError
 from model import Llama, LlamaConfig
+from offload.plan import MemoryPlan, plan_memory
+from offload.policy import apply_memory_policy
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -24,7 +28,25 @@ def weight_dtype(train_mode: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and train_mode == "lora" else torch.float32
 
 
+def model_architecture(cfg) -> LlamaConfig:
+    """The architecture the model will have: the checkpoint's config.json, else the model group."""
+    if cfg.model.path:
+        from model.checkpoint import read_config
+        return read_config(Path(cfg.model.path).expanduser())
+    return architecture(cfg.model)
+
+
+def plan_for(cfg, device: torch.device) -> MemoryPlan:
+    return plan_memory(model_architecture(cfg), cfg.train, cfg.memory, cfg.seq_len, cfg.batch_size, device)
+
+
 def build_model(cfg, device: torch.device) -> torch.nn.Module:
+    """The model with its memory policy installed (`model.memory_policy`, whose `stats()` gives offload
+    metrics). Raises ConfigError before allocating anything when the memory plan does not fit."""
+    plan = plan_for(cfg, device)
+    log.info("%s", plan.describe())
+    if cfg.memory.check and not plan.fits:
+        raise ConfigError(plan.failure() + "\n(memory.check=false skips this check)")
     dtype = weight_dtype(cfg.train.mode, device)
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
@@ -35,6 +57,8 @@ def build_model(cfg, device: torch.device) -> torch.nn.Module:
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
         model = apply_lora(model, cfg.train)
+    model.memory_policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device)
+    model.memory_plan = plan
     return model
 
 

@@ -1,0 +1,153 @@
+"""Training-step benchmark of the trainer (or the peer HF stack) at one sequence length; one JSON line out.
+
+    python scripts/bench_train.py --seq-len 131072 --steps 3 [override ...] >> results.jsonl
+    python scripts/bench_train.py --seq-len 32768 --peer        # transformers+peft+Liger+HF ckpt+save_on_cpu
+
+Overrides are the trainer's Hydra overrides (default model=llama3_8b train=lora, random init, bf16 base).
+Each length runs in its own process so peak host memory (VmHWM) belongs to that length alone. The first
+step is a warm-up (Triton compilation, allocator growth) unless --steps 1; pinned buffers are allocated
+before it and timed apart. Reports tokens/s over the timed steps, MFU (6·N·T + 6·L·d·T² over the peak),
+peak GPU memory (allocated and reserved), peak host RSS and the planner's predictions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+GIB = 2**30
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peak_host_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / GIB
+    return float("nan")
+
+
+def random_batch(seq_len: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (1, seq_len + 1), device=device, generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def build_ours(seq_len: int, overrides: list[str]):
+    """The trainer's model (memory policy included), its optimizer and a step function."""
+    from hydra import compose, initialize_config_dir
+
+    import kernels
+    from conf.schema import register_configs
+    from trainer.build import build_model
+    from trainer.optim import build_optimizer
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=llama3_8b", "train=lora", "batch_size=1", f"seq_len={seq_len}",
+                                           *overrides])
+    kernels.set_backend(cfg.kernels)
+    device = torch.device("cuda")
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def step(input_ids, labels):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm.loss(model(input_ids), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        return loss
+
+    pin_start = time.perf_counter()
+    model.memory_policy.pin_buffers(1, seq_len, torch.bfloat16)
+    plan = model.memory_plan
+    info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
+            "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
+                     "mlp_tiles": plan.mlp_tiles, "gpu_peak_gib": plan.gpu_peak / GIB,
+                     "host_peak_gib": plan.host_peak / GIB}}
+    return lm.config, step, model.memory_policy.stats, info
+
+
+def build_peer(seq_len: int, overrides: list[str]):
+    """transformers LlamaForCausalLM + peft LoRA + Liger-Kernel + HF gradient checkpointing + save_on_cpu."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from model import LlamaConfig
+
+    apply_liger_kernel_to_llama()
+    arch = LlamaConfig()         # the Llama-3-8B defaults
+    hf_config = HFLlamaConfig(**{k: v for k, v in arch.to_hf_dict().items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(hf_config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+
+    def step(input_ids, labels):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.save_on_cpu(pin_memory=True):
+            loss = model(input_ids=input_ids, labels=labels, shift_labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        return loss
+
+    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu", "overrides": overrides}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=3, help="steps run; the first is a warm-up unless 1")
+    parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
+    args = parser.parse_args()
+
+    from offload.plan import parameter_counts
+    from trainer.metrics import step_flops
+
+    started = time.perf_counter()
+    arch, step, offload_stats, info = (build_peer if args.peer else build_ours)(args.seq_len, args.overrides)
+    input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
+    times, losses = [], []
+    for index in range(args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(float(step(input_ids, labels)))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        copy = offload_stats()
+        print(f"step {index}: {times[-1]:.2f} s loss {losses[-1]:.4f} {json.dumps(copy)}", file=sys.stderr, flush=True)
+    timed = times[1:] if len(times) > 1 else times
+    seconds = statistics.median(timed)
+    total_params, _ = parameter_counts(arch, SimpleNamespace(mode="full"))
+    flops = step_flops(total_params, arch.num_hidden_layers, arch.hidden_size, args.seq_len, 1)
+    result = {**info, "seq_len": args.seq_len, "device": torch.cuda.get_device_name(),
+              "step_s": times, "warmup_skipped": len(times) == 1, "tokens_per_s": args.seq_len / seconds,
+              "mfu": flops / seconds / 795e12, "loss": losses,
+              "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+              "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+              "peak_host_gib": peak_host_gib(), "offload": copy, "wall_s": time.perf_counter() - started}
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Print the memory plan of a config: `python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
+
+Plans for the GPU and host of this machine; elsewhere give the target's capacities, e.g.
+`memory.gpu_memory_gib=79.2 memory.host_memory_gib=125`. Exits 1 when the plan does not fit.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+
+from conf.schema import register_configs  # noqa: E402
+from trainer.build import plan_for  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg) -> None:
+    device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
+    plan = plan_for(cfg, device)
+    print(plan.describe() if plan.fits else plan.failure())
+    if plan.placements is not None:
+        print("placements:", " ".join(p[0] for p in plan.placements), "(g=gpu h=host r=recomputed)")
+    sys.exit(0 if plan.fits else 1)
+
+
+if __name__ == "__main__":
+    main()
