@@ -129,8 +129,10 @@ def tokenize_chat(messages: list[dict], tokenizer, loss_on: str, bos_id: int | N
     """A conversation rendered with the tokenizer's chat template (or FALLBACK_CHAT_TEMPLATE), targets
     set by `loss_on`: all tokens, every assistant reply, or the last one."""
     check_messages(messages, record)
-    segments = chat_segments(messages, chat_renderer(tokenizer))
+    render = chat_renderer(tokenizer)
     trained = trained_replies(messages, loss_on)
+    # Training on everything needs no reply boundaries, so any template works for loss_on=all.
+    segments = [(render(messages, False), None)] if trained is None else chat_segments(messages, render)
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     is_target: list[bool] = []

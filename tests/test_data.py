@@ -175,6 +175,15 @@ def test_chat_uses_the_tokenizer_template_and_never_trains_its_headers(tmp_path)
     assert tokens(tokenizer, shifted_labels(ids, mask)) == [None] * 5 + ["hello", "friend", "</s>", None]
 
 
+def test_chat_template_that_rewrites_earlier_turns_needs_loss_on_all(tmp_path):
+    template = "{% for m in messages %}{% if loop.last %}[user] {% endif %}{{ m['content'] }} {% endfor %}"
+    tokenizer = save_tokenizer(tmp_path, chat_template=template)
+    with pytest.raises(DataError, match="use data.loss_on=all"):
+        tokenize_chat(CHAT[1:3], tokenizer, "assistant", 2, 3)
+    ids, mask = tokenize_chat(CHAT[1:3], tokenizer, "all", 2, 3)
+    assert tokens(tokenizer, ids) == ["<s>", "hi", "there", "[user]", "hello", "friend", "</s>"] and all(mask[1:])
+
+
 def test_chat_unknown_role_is_named(tokenizer):
     with pytest.raises(DataError, match="record 7, message 1: unknown role 'wizard'"):
         tokenize_chat([CHAT[0], {"role": "wizard", "content": "x"}], tokenizer, "assistant", 2, 3, record=7)
