@@ -16,9 +16,9 @@ import triton
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A row lives in registers: past this the backward's four row-sized fp32 values per thread would spill.
 MAX_HIDDEN = 32768
-# Backward programs resident per SM: enough rows in flight to cover memory latency, few enough that
-# the [programs, hidden] fp32 partials stay small (8 MiB at 4 x 132 SMs x 4096).
-BACKWARD_PROGRAMS_PER_SM = 4
+# Backward programs per SM. On an H100 at [65536, 4096] bf16, 2 to 16 and 4 to 16 warps all ran
+# fwd+bwd within 3% (scripts/bench_kernels.py --sweep); 2 keeps the fp32 partials smallest (4 MiB).
+BACKWARD_PROGRAMS_PER_SM = 2
 
 
 def check_inputs(op: str, x: torch.Tensor, *params: torch.Tensor | None) -> None:

@@ -21,3 +21,19 @@ if not getattr(_interpreter, "_scalar_index_fixed", False):
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor_with_scalar_index
     _interpreter._scalar_index_fixed = True
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def poisoned_empty():
+    """Make torch.empty & co. return NaN-filled memory, so an output element a kernel never writes fails
+    the comparison instead of passing as leftover zeros."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
