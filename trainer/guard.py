@@ -3,6 +3,7 @@ checkpointed) and counted; too many in a row stop the job."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 
 class BadStepsError(RuntimeError):
@@ -23,16 +24,19 @@ class BadStepCounter:
             raise ValueError(f"max_bad_steps={limit} must be at least 1")
         self.limit, self.skipped, self.consecutive = limit, skipped_before, 0
 
-    def record(self, step: int, applied: bool, last_checkpoint: str | None) -> None:
+    def record(self, applied: bool) -> None:
         if applied:
             self.consecutive = 0
+        else:
+            self.skipped += 1
+            self.consecutive += 1
+
+    def stop_if_exhausted(self, step: int, last_checkpoint: Path | None) -> None:
+        if self.consecutive < self.limit:
             return
-        self.skipped += 1
-        self.consecutive += 1
-        if self.consecutive >= self.limit:
-            where = (f"the last good checkpoint is {last_checkpoint} (resume=<that path>, e.g. with a lower "
-                     f"optim.lr)" if last_checkpoint else "no checkpoint was written yet")
-            raise BadStepsError(
-                f"loss or gradients were NaN/Inf for {self.consecutive} consecutive steps "
-                f"({step - self.consecutive + 1}-{step}; limit max_bad_steps={self.limit}); none of them was "
-                f"applied. {where}")
+        where = (f"the last good checkpoint is {last_checkpoint} (resume=<that path>, perhaps with a lower "
+                 f"optim.lr)" if last_checkpoint else "no checkpoint was written yet")
+        raise BadStepsError(
+            f"loss or gradients were NaN/Inf for {self.consecutive} consecutive steps "
+            f"({step - self.consecutive + 1}-{step}; limit max_bad_steps={self.limit}); none of them was "
+            f"applied; {where}")

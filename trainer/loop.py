@@ -1,10 +1,19 @@
-"""The training loop: config in, trained model and a run directory out."""
+"""The training loop: config in, trained model and a run directory out.
+
+Run directory (output_dir): config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/, and for
+LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
+trainer.checkpoint (crash-safe checkpoints), trainer.resume (which one to continue from), trainer.signals
+(SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and trainer.console
+(what is recorded and shown).
+"""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -12,48 +21,138 @@ import kernels
 from conf.validate import resolve_device, validate
 from data import build_data
 from trainer.build import build_model, count_parameters
+from trainer.checkpoint import BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint, save_hf_model
+from trainer.console import ProgressBar, startup_summary, step_line
+from trainer.guard import BadStepCounter
+from trainer.metrics import MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.resume import checkpoint_to_resume
+from trainer.signals import StopSignals
 from trainer.step import train_step
+from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
+CHECKPOINTS_DIR = "checkpoints"
 
 
-def write_resolved_config(cfg, run_dir: Path) -> None:
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def write_resolved_config(cfg, run_dir: Path) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    (run_dir / "config.yaml").write_text(text)
+    return text
+
+
+def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
+    """A LoRA adapter is only usable with its base: keep a random-init base once, for scripts/export.py."""
+    base_dir = run_dir / BASE_MODEL_DIR
+    if is_lora(model) and not cfg.model.path and cfg.checkpoint.save_random_base and not base_dir.is_dir():
+        save_hf_model(full_weights(model), model.config.to_hf_dict(), base_dir)
+
+
+class CheckpointTimer:
+    """When the next periodic checkpoint is due: every `every_steps` steps or `every_minutes` minutes."""
+
+    def __init__(self, every_steps: int, every_minutes: float):
+        self.every_steps, self.every_seconds = every_steps, every_minutes * 60
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        return by_steps or (self.every_seconds > 0 and time.monotonic() - self.last >= self.every_seconds)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 def train(cfg) -> dict:
-    """Train for cfg.max_steps steps; returns the last step's metrics."""
+    """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
+    step's metrics."""
     validate(cfg)
     device = resolve_device(cfg.device)
     kernels.set_backend(cfg.kernels)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
-    write_resolved_config(cfg, run_dir)
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    loaded = checkpoint_to_resume(cfg, checkpoints)
+    config_yaml = write_resolved_config(cfg, run_dir)
 
     model = build_model(cfg, device)
-    trainable, total = count_parameters(model)
-    log.info("model %s: %.2fM trainable of %.2fM parameters, seq_len=%d, device=%s, run dir %s",
-             cfg.model.name, trainable / 1e6, total / 1e6, cfg.seq_len, device, run_dir)
     stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
                         tokenizer_path=cfg.model.path)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
+    keep_random_base(cfg, model, run_dir)
+    progress = loaded.progress if loaded else Progress()
+    wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                           progress.wandb_run_id)
+    progress.wandb_run_id = wandb_run.id if wandb_run else None
+    metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
 
-    metrics: dict = {}
-    window_start, window_tokens = time.perf_counter(), 0
-    for step in range(1, cfg.max_steps + 1):
-        micro_batches = [next(stream) for _ in range(cfg.optim.grad_accum_steps)]
-        result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device)
-        window_tokens += result.tokens
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            elapsed = time.perf_counter() - window_start
-            metrics = {"step": step, "loss": result.loss, "accuracy": result.accuracy,
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": result.grad_norm,
-                       "tokens_per_s": window_tokens / elapsed}
-            accuracy = "" if result.accuracy is None else f" acc {result.accuracy:.3f}"
-            log.info("step %d/%d loss %.4f%s lr %.2e grad_norm %.3f tok/s %.0f", step, cfg.max_steps,
-                     result.loss, accuracy, metrics["lr"], result.grad_norm, metrics["tokens_per_s"])
-            window_start, window_tokens = time.perf_counter(), 0
-    return metrics
+    trainable, total = count_parameters(model)
+    sequences = cfg.batch_size * cfg.optim.grad_accum_steps
+    flops = step_flops(total, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len, sequences)
+    startup_summary({
+        "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
+                 f"device={device}, kernels={kernels.get_backend()}",
+        "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
+        "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
+        "run dir": str(run_dir),
+        "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
+                  f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
+        "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
+    })
+    if loaded:
+        # Last, so the RNG streams continue exactly where the checkpoint left them.
+        restore(loaded, model, optimizer, scheduler, stream)
+
+    guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
+    timer = CheckpointTimer(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
+    last_checkpoint = loaded.path if loaded else None
+    bar = ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar)
+    record, exit_code = {"step": progress.step}, 1
+    try:
+        with StopSignals() as stop:
+            for step in range(progress.step + 1, cfg.max_steps + 1):
+                started = time.perf_counter()
+                micro_batches = [next(stream) for _ in range(cfg.optim.grad_accum_steps)]
+                data_wait = time.perf_counter() - started
+                lr = scheduler.get_last_lr()[0]
+                reset_peak_memory(device)
+                result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device)
+                step_time = time.perf_counter() - started
+                guard.record(result.applied)
+                progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
+                progress.skipped_steps = guard.skipped
+                record = metrics_log.write(step, {
+                    "loss": result.loss, "accuracy": result.accuracy, "lr": lr, "grad_norm": result.grad_norm,
+                    "applied": result.applied, "tokens_seen": progress.tokens_seen,
+                    "skipped_steps": guard.skipped, "tokens_per_s": result.tokens / step_time,
+                    "mfu": model_flops_utilization(flops, step_time, device, cfg.logger.peak_tflops),
+                    "step_time_s": step_time, "data_wait_s": data_wait, **memory_metrics(device)})
+                bar.update(record)
+                if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
+                    bar.write(step_line(record, cfg.max_steps))
+                guard.stop_if_exhausted(step, last_checkpoint)
+                # A skipped step left the weights untouched, so saving after it is safe; periodic saves
+                # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
+                if stop.requested or step == cfg.max_steps or (result.applied and timer.due(step)):
+                    last_checkpoint = save_checkpoint(checkpoints, model, optimizer, scheduler, stream,
+                                                      progress, config_yaml)
+                    prune(checkpoints, cfg.checkpoint.keep_last)
+                    timer.saved()
+                    bar.write(f"checkpoint written: {last_checkpoint}")
+                if stop.requested:
+                    bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
+                    break
+        exit_code = 0
+    finally:
+        bar.close()
+        if wandb_run:
+            wandb_run.finish(exit_code)
+    return record

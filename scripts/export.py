@@ -1,0 +1,102 @@
+"""Export a training checkpoint as a merged Hugging Face model directory.
+
+    python scripts/export.py <run dir>/checkpoints/step-<N> <out dir> [--dtype auto|float32|bfloat16]
+
+LoRA checkpoints are merged into their base: model.path from the checkpoint's config, or for a random-init
+base the <run dir>/base_model/ the trainer kept. Full fine-tuning checkpoints are written as they are. The
+output loads with transformers.AutoModelForCausalLM.from_pretrained(<out dir>). --dtype auto keeps the
+dtype the weights are stored in (the base's, for LoRA).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from model import Llama  # noqa: E402
+from model.checkpoint import read_config, weight_files  # noqa: E402
+from trainer.build import architecture  # noqa: E402
+from trainer.checkpoint import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, FULL_WEIGHTS, CheckpointError, full_weights,  # noqa: E402
+                                marker_problem, save_hf_model)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class ExportError(RuntimeError):
+    """A checkpoint that cannot be exported; the message says why and what to do."""
+
+
+def stored_dtype(weights_file: Path) -> torch.dtype:
+    with safe_open(str(weights_file), framework="pt") as file:
+        return SAFETENSORS_DTYPES[file.get_slice(next(iter(file.keys()))).get_dtype()]
+
+
+def lora_base_dir(checkpoint: Path, cfg) -> Path:
+    if cfg.model.path:
+        return Path(cfg.model.path).expanduser()
+    base = checkpoint.parent.parent / BASE_MODEL_DIR
+    if not base.is_dir():
+        raise ExportError(f"{checkpoint} is a LoRA adapter on a random-init base, and the run kept no copy of "
+                          f"that base ({base} is missing; checkpoint.save_random_base was false), so there is "
+                          f"nothing to merge into. Re-train with checkpoint.save_random_base=true, or with "
+                          f"model.path=<a saved base>.")
+    return base
+
+
+def merged_lora(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+    """(weights, config.json, stored dtype) of the base with the adapter merged in, computed in fp32."""
+    from peft import PeftModel
+    base_dir = lora_base_dir(checkpoint, cfg)
+    base = Llama.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu")
+    merged = PeftModel.from_pretrained(base, checkpoint / ADAPTER_DIR).merge_and_unload()
+    return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])
+
+
+def full_model(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+    from safetensors.torch import load_file
+    config = read_config(Path(cfg.model.path).expanduser()) if cfg.model.path else architecture(cfg.model)
+    weights = load_file(checkpoint / FULL_WEIGHTS)
+    return weights, config.to_hf_dict(), stored_dtype(checkpoint / FULL_WEIGHTS)
+
+
+def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
+    checkpoint = Path(checkpoint).expanduser()
+    problem = marker_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
+    if problem:
+        raise ExportError(f"cannot export {checkpoint}: {problem}. Give a complete "
+                          f"<run dir>/checkpoints/step-<N> directory.")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"{out_dir} exists and is not empty: give a new output directory (nothing there was "
+                          f"changed)")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
+    lora = (checkpoint / ADAPTER_DIR).is_dir()
+    weights, config, stored = merged_lora(checkpoint, cfg) if lora else full_model(checkpoint, cfg)
+    target = stored if dtype == "auto" else DTYPES[dtype]
+    config["torch_dtype"] = str(target).removeprefix("torch.")
+    return save_hf_model({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="<run dir>/checkpoints/step-<N>")
+    parser.add_argument("out_dir", type=Path, help="new directory for the Hugging Face model")
+    parser.add_argument("--dtype", default="auto", help="auto (as stored), float32, bfloat16 or float16")
+    args = parser.parse_args()
+    try:
+        out = export(args.checkpoint, args.out_dir, args.dtype)
+    except (ExportError, CheckpointError) as error:
+        sys.exit(f"export failed: {error}")
+    print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+
+
+if __name__ == "__main__":
+    main()

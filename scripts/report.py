@@ -1,0 +1,87 @@
+"""Plot a run's metrics.jsonl (no W&B needed) into PNGs in the run directory.
+
+    python scripts/report.py <run dir>
+
+Writes report_loss.png, report_throughput.png and report_memory.png, and prints a one-paragraph summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METRICS_FILE = "metrics.jsonl"     # trainer.metrics.METRICS_FILE; not imported, so plotting needs no torch
+# PNG name -> (title, y label, metrics drawn).
+PLOTS = {
+    "report_loss.png": ("Loss", "loss", ["loss"]),
+    "report_throughput.png": ("Throughput", "tokens/s", ["tokens_per_s"]),
+    "report_memory.png": ("Memory", "GiB", ["gpu_allocated_gib", "gpu_reserved_gib", "gpu_peak_gib",
+                                            "host_rss_gib"]),
+}
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist: give the output_dir of a training run")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise SystemExit(f"{path} has no steps yet: nothing to plot")
+    return records
+
+
+def series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[name]) for r in records if r.get(name) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot(records: list[dict], run_dir: Path, file_name: str, title: str, ylabel: str, names: list[str]) -> Path:
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name in names:
+        steps, values = series(records, name)
+        if steps:
+            axes.plot(steps, values, label=name, linewidth=1)
+    axes.set(title=f"{title}: {run_dir.name}", xlabel="step", ylabel=ylabel)
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend()
+    else:
+        axes.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=axes.transAxes)
+    path = run_dir / file_name
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def summary(records: list[dict]) -> str:
+    last = records[-1]
+    _, speeds = series(records, "tokens_per_s")
+    _, peaks = series(records, "gpu_peak_gib")
+    parts = [f"{len(records)} steps recorded, last step {last['step']}", f"final loss {last.get('loss')}",
+             f"median tokens/s {sorted(speeds)[len(speeds) // 2]:.0f}" if speeds else "",
+             f"max GPU peak {max(peaks):.2f} GiB" if peaks else "", f"skipped steps {last.get('skipped_steps', 0)}"]
+    return ", ".join(p for p in parts if p)
+
+
+def report(run_dir: Path) -> list[Path]:
+    records = read_records(run_dir)
+    paths = [plot(records, run_dir, name, *spec) for name, spec in PLOTS.items()]
+    print(summary(records))
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    for path in report(parser.parse_args().run_dir):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

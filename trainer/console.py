@@ -1,0 +1,58 @@
+"""What the terminal shows: a startup summary, a progress bar on interactive terminals, and a log line every
+`log_every` steps (which also lands in Hydra's <run dir>/train.log)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def startup_summary(lines: dict[str, str]) -> None:
+    width = max(map(len, lines))
+    log.info("job\n" + "\n".join(f"  {name:<{width}}  {value}" for name, value in lines.items()))
+
+
+def memory_text(record: dict) -> str:
+    if record.get("gpu_peak_gib") is not None:
+        return f"gpu peak {record['gpu_peak_gib']:.1f}G"
+    return f"rss {record['host_rss_gib']:.1f}G"
+
+
+def step_line(record: dict, max_steps: int) -> str:
+    if record["applied"]:
+        loss = f"loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f}"
+    else:
+        loss = "update skipped: loss or gradients NaN/Inf"
+    accuracy = "" if record.get("accuracy") is None else f" acc {record['accuracy']:.3f}"
+    mfu = "" if record.get("mfu") is None else f" mfu {100 * record['mfu']:.1f}%"
+    return (f"step {record['step']}/{max_steps} {loss}{accuracy} lr {record['lr']:.2e} "
+            f"tok/s {record['tokens_per_s']:.0f}{mfu} {memory_text(record)}")
+
+
+class ProgressBar:
+    """tqdm bar with ETA, tokens/s, loss and memory; silent unless stderr is a terminal."""
+
+    def __init__(self, first_step: int, max_steps: int, enabled: bool):
+        self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True,
+                        disable=not (enabled and sys.stderr.isatty()))
+
+    def update(self, record: dict) -> None:
+        loss = "nan" if record.get("loss") is None else f"{record['loss']:.4f}"
+        self.bar.set_postfix_str(f"loss {loss} tok/s {record['tokens_per_s']:.0f} {memory_text(record)}",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        """A log line that does not tear the bar."""
+        if self.bar.disable:
+            log.info(line)
+        else:
+            self.bar.clear()
+            log.info(line)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
