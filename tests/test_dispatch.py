@@ -1,0 +1,42 @@
+"""Op dispatch: reference on CPU, Triton on request, and a clear error when Triton cannot run."""
+import pytest
+import torch
+
+import kernels
+
+
+@pytest.fixture(autouse=True)
+def restore_backend():
+    yield
+    kernels.set_backend("auto")
+
+
+def test_cpu_tensors_use_the_reference_under_auto():
+    x = torch.randn(3, 8)
+    kernels.set_backend("auto")
+    assert kernels._pick("rms_norm", x) is kernels.reference.rms_norm
+
+
+def test_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="kernels=triton needs a CUDA GPU"):
+        kernels.set_backend("triton")
+
+
+def test_triton_under_the_interpreter_dispatches_to_the_kernel(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels.set_backend("triton")
+    assert kernels._pick("attention", torch.randn(1)) is kernels._triton_op("attention")
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.set_backend("cuda")
+
+
+@pytest.mark.parametrize("name", sorted(kernels.TRITON_OPS))
+def test_every_op_has_a_reference_and_a_triton_kernel(name):
+    assert callable(getattr(kernels.reference, name))
+    assert callable(kernels._triton_op(name))
