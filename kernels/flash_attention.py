@@ -360,9 +360,11 @@ def _config(block_m, block_n, warps, stages):
 
 # H100 candidates, kept few so that tuning stays short; keyed on the sequence bucket and head dim.
 _FWD_CONFIGS = [_config(128, 64, 8, 3), _config(128, 128, 8, 3), _config(128, 64, 4, 3),
-                _config(128, 128, 8, 2), _config(64, 64, 4, 3)]
-_DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 3), _config(128, 64, 8, 2)]
-_DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 4, 3), _config(64, 128, 8, 2)]
+                _config(128, 128, 8, 2), _config(64, 64, 4, 3), _config(128, 64, 8, 4)]
+_DQ_CONFIGS = [_config(128, 64, 8, 3), _config(128, 32, 8, 3), _config(64, 64, 4, 3), _config(128, 64, 8, 2),
+               _config(128, 128, 8, 2), _config(64, 32, 4, 4)]
+_DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64, 4, 3), _config(64, 128, 8, 2),
+                 _config(32, 64, 4, 4), _config(128, 128, 8, 2)]
 _TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
 
 
