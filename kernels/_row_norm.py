@@ -9,6 +9,7 @@ parallel instead of in one serial loop.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -97,3 +98,37 @@ def reduce_partials(partials: torch.Tensor, needed: bool, like: torch.Tensor | N
     if not needed:
         return None
     return partials.sum(dim=0).to(like.dtype)
+
+
+class ForwardLaunch(NamedTuple):
+    x_rows: torch.Tensor   # x as [rows, hidden]
+    y: torch.Tensor        # the output rows, x's dtype
+    block: int
+    num_warps: int
+
+
+def forward_launch(op: str, x: torch.Tensor) -> ForwardLaunch:
+    """x's rows, a fresh output and the launch configuration: one program per row."""
+    x_rows = as_rows(op, "x", x)
+    block, num_warps = row_config(x_rows.shape[1])
+    return ForwardLaunch(x_rows, torch.empty(x_rows.shape, dtype=x.dtype, device=x.device), block, num_warps)
+
+
+class BackwardLaunch(NamedTuple):
+    x_rows: torch.Tensor
+    dy_rows: torch.Tensor
+    dx: torch.Tensor       # fresh [rows, hidden], or a dummy the kernel's constexpr branch never writes
+    block: int
+    num_warps: int
+    programs: int
+    rows_per_program: int
+
+
+def backward_launch(op: str, dy: torch.Tensor, x: torch.Tensor, compute_dx: bool,
+                    dummy: torch.Tensor) -> BackwardLaunch:
+    x_rows = as_rows(op, "x", x)
+    n_rows, hidden = x_rows.shape
+    block, num_warps = row_config(hidden)
+    programs, rows_per_program = backward_grid(n_rows, x.device)
+    dx = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device) if compute_dx else dummy
+    return BackwardLaunch(x_rows, as_gradient_rows(dy), dx, block, num_warps, programs, rows_per_program)

@@ -54,31 +54,25 @@ def _rms_norm_backward_kernel(dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    x_rows = _row_norm.as_rows("rms_norm", "x", x)
-    n_rows, hidden = x_rows.shape
-    y = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    launch = _row_norm.forward_launch("rms_norm", x)
+    n_rows, hidden = launch.x_rows.shape
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block, num_warps = _row_norm.row_config(hidden)
-    _rms_norm_forward_kernel[(n_rows,)](x_rows, x_rows.stride(0), weight, y, rstd, hidden, eps,
-                                        BLOCK_H=block, num_warps=num_warps)
-    return y.view(x.shape), rstd
+    _rms_norm_forward_kernel[(n_rows,)](launch.x_rows, launch.x_rows.stride(0), weight, launch.y, rstd, hidden,
+                                        eps, BLOCK_H=launch.block, num_warps=launch.num_warps)
+    return launch.y.view(x.shape), rstd
 
 
 def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                        compute_dx: bool, compute_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    x_rows = _row_norm.as_rows("rms_norm", "x", x)
-    dy_rows = _row_norm.as_gradient_rows(dy)
-    n_rows, hidden = x_rows.shape
-    block, num_warps = _row_norm.row_config(hidden)
-    programs, rows_per_program = _row_norm.backward_grid(n_rows, x.device)
-    # Unneeded outputs get a dummy pointer that the kernel's constexpr branch never writes.
-    dx = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device) if compute_dx else rstd
-    dw_partial = _row_norm.partial_buffer(programs, hidden, compute_dw, x.device)
-    _rms_norm_backward_kernel[(programs,)](
-        dy_rows, dy_rows.stride(0), dy_rows.stride(1), x_rows, x_rows.stride(0), weight, rstd, dx, dw_partial,
-        n_rows, hidden, rows_per_program,
-        BLOCK_H=block, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, num_warps=num_warps)
-    return (dx.view(x.shape) if compute_dx else None), _row_norm.reduce_partials(dw_partial, compute_dw, weight)
+    launch = _row_norm.backward_launch("rms_norm", dy, x, compute_dx, dummy=rstd)
+    n_rows, hidden = launch.x_rows.shape
+    dw_partial = _row_norm.partial_buffer(launch.programs, hidden, compute_dw, x.device)
+    _rms_norm_backward_kernel[(launch.programs,)](
+        launch.dy_rows, launch.dy_rows.stride(0), launch.dy_rows.stride(1), launch.x_rows, launch.x_rows.stride(0),
+        weight, rstd, launch.dx, dw_partial, n_rows, hidden, launch.rows_per_program,
+        BLOCK_H=launch.block, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw, num_warps=launch.num_warps)
+    return ((launch.dx.view(x.shape) if compute_dx else None),
+            _row_norm.reduce_partials(dw_partial, compute_dw, weight))
 
 
 class RMSNormFunction(torch.autograd.Function):
