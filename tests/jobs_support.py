@@ -1,0 +1,59 @@
+"""Shared by the job tests (checkpoint, resume, signals, metrics, export): tiny, fast training configs and
+readers for what a run leaves in its directory."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from conf.schema import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+# The tiny model on a short recall task: a step takes well under a second on one CPU core.
+FAST = ["seq_len=128", "batch_size=2", "data.num_pairs=4", "data.num_queries=2", "max_steps=6",
+        "optim.warmup_steps=1", "log_every=1", "logger.wandb.mode=disabled", "logger.progress_bar=false",
+        "checkpoint.every_steps=0", "checkpoint.every_minutes=0", "checkpoint.keep_last=0"]
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread():
+    """One intra-op thread: on a busy small machine OpenMP threads spin against each other and a tiny step
+    takes seconds instead of milliseconds. Import this into a test module to apply it there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def job_config(run_dir: Path, *overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*FAST, f"output_dir={run_dir}", *overrides])
+
+
+def start_training(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """train.py in a real child process (for signals), logging to <run_dir>.log."""
+    log = open(f"{run_dir}.log", "w")
+    return subprocess.Popen([sys.executable, "train.py", *FAST, f"output_dir={run_dir}", *overrides],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir)]
+
+
+def checkpoint_weights(checkpoint: Path) -> dict:
+    adapter = checkpoint / "adapter" / "adapter_model.safetensors"
+    return load_file(adapter if adapter.is_file() else checkpoint / "model.safetensors")

@@ -1,0 +1,84 @@
+"""Resume: N steps straight equal N/2 steps, SIGTERM, resume, N/2 steps, bit for bit on CPU; and the
+checks that stop a resume from silently continuing a different run or overwriting saved work."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import trainer.loop
+from jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
+from trainer.checkpoint import CheckpointError
+from trainer.loop import train
+
+STEPS = 6
+
+
+def sigterm_after(monkeypatch, stop_step: int) -> None:
+    """Deliver a real SIGTERM to this process right after step `stop_step` is computed."""
+    real_step, calls = trainer.loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    monkeypatch.setattr(trainer.loop, "train_step", step_then_signal)
+
+
+# LoRA with dropout draws from the torch RNG every step, so it also checks that RNG states are restored.
+@pytest.mark.parametrize("mode", [["train=full"], ["train=lora", "train.lora_dropout=0.1"]], ids=["full", "lora"])
+def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, mode):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(job_config(straight, *mode))
+
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as patch:
+        sigterm_after(patch, STEPS // 2)
+        stopped = train(job_config(resumed, *mode))
+    assert stopped["step"] == STEPS // 2
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == [f"step-{STEPS // 2}"]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
+    final = train(job_config(resumed, *mode))
+    assert final["step"] == STEPS
+    assert [r["step"] for r in records(resumed)] == list(range(1, STEPS + 1))
+    assert losses(resumed) == losses(straight)
+    expected = checkpoint_weights(straight / "checkpoints" / f"step-{STEPS}")
+    got = checkpoint_weights(resumed / "checkpoints" / f"step-{STEPS}")
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_resume_refuses_a_changed_run_defining_setting(tmp_path):
+    train(job_config(tmp_path, "max_steps=2"))
+    with pytest.raises(CheckpointError) as error:
+        train(job_config(tmp_path, "max_steps=3", "seq_len=96", "seed=1"))
+    message = str(error.value)
+    assert "seq_len: checkpoint 128, now 96" in message and "seed: checkpoint 0, now 1" in message
+    assert "resume_force=true" in message
+    assert train(job_config(tmp_path, "max_steps=3", "seed=1", "resume_force=true"))["step"] == 3
+
+
+def test_fresh_start_refuses_to_overwrite_existing_checkpoints(tmp_path):
+    train(job_config(tmp_path, "max_steps=2"))
+    with pytest.raises(CheckpointError, match="new output_dir"):
+        train(job_config(tmp_path, "max_steps=2", "resume=false"))
+    assert (tmp_path / "checkpoints" / "step-2" / "COMPLETE").is_file()
+
+
+def test_resume_from_a_given_checkpoint_into_a_new_run_dir(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(job_config(first, "max_steps=4", "checkpoint.every_steps=2"))
+    result = train(job_config(second, "max_steps=4", f"resume={first}/checkpoints/step-2"))
+    assert result["step"] == 4
+    assert [r["step"] for r in records(second)] == [3, 4]
+    assert losses(second) == losses(first)[2:]
+
+
+def test_missing_resume_path_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        train(job_config(tmp_path, f"resume={tmp_path}/nowhere/step-3"))
