@@ -139,15 +139,16 @@ def train(cfg) -> dict:
                 if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
                     bar.write(step_line(record, cfg.max_steps))
                 guard.stop_if_exhausted(step, last_checkpoint)
+                stopping = stop.requested    # read once: a signal arriving later is served after the next step
                 # A skipped step left the weights untouched, so saving after it is safe; periodic saves
                 # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
-                if stop.requested or step == cfg.max_steps or (result.applied and timer.due(step)):
+                if stopping or step == cfg.max_steps or (result.applied and timer.due(step)):
                     last_checkpoint = save_checkpoint(checkpoints, model, optimizer, scheduler, stream,
                                                       progress, config_yaml)
                     prune(checkpoints, cfg.checkpoint.keep_last)
                     timer.saved()
                     bar.write(f"checkpoint written: {last_checkpoint}")
-                if stop.requested:
+                if stopping:
                     bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
                     break
         exit_code = 0
