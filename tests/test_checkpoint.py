@@ -1,0 +1,117 @@
+"""Checkpoint contents, rotation, the disk check, and crash safety: a save killed midway, or a checkpoint
+damaged later, leaves the previous checkpoint usable."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import trainer.checkpoint
+from jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
+from model import Llama
+from trainer.build import architecture
+from trainer.checkpoint import CheckpointError, marker_problem, read_newest
+from trainer.loop import train
+
+
+def test_lora_checkpoint_holds_everything_needed_to_continue(tmp_path):
+    train(job_config(tmp_path, "train=lora", "max_steps=2"))
+    checkpoint = tmp_path / "checkpoints" / "step-2"
+    assert marker_problem(checkpoint) is None
+    assert json.loads((checkpoint / "progress.json").read_text()) | {"saved_at": 0} == {
+        "step": 2, "tokens_seen": 2 * 2 * 128, "skipped_steps": 0, "wandb_run_id": None, "saved_at": 0}
+    assert OmegaConf.create((checkpoint / "config.yaml").read_text()).seq_len == 128
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"} and state["data"]
+    assert torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+
+    from peft import PeftModel
+    cfg = job_config(tmp_path)
+    adapted = PeftModel.from_pretrained(Llama.from_config(architecture(cfg.model)), checkpoint / "adapter")
+    saved = checkpoint_weights(checkpoint)
+    loaded = {name: p for name, p in adapted.named_parameters() if "lora_" in name}
+    assert len(loaded) == len(saved) > 0
+    assert all(torch.equal(loaded[name.replace(".weight", ".default.weight")], tensor)
+               for name, tensor in saved.items())
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+    train(job_config(tmp_path, "max_steps=4", "checkpoint.every_steps=1", "checkpoint.keep_last=2"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-3", "step-4"]
+
+
+def test_too_little_disk_is_a_clear_error_and_keeps_older_checkpoints(tmp_path, monkeypatch):
+    train(job_config(tmp_path, "max_steps=2"))
+    monkeypatch.setattr(trainer.checkpoint.shutil, "disk_usage",
+                        lambda path: namedtuple("usage", "total used free")(10 ** 9, 10 ** 9, 10 ** 6))
+    with pytest.raises(CheckpointError, match="not enough disk .* GiB are free"):
+        train(job_config(tmp_path, "max_steps=3"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
+
+
+def damage(checkpoint, how: str) -> None:
+    if how == "no marker":
+        (checkpoint / "COMPLETE").unlink()
+    elif how == "truncated":
+        with open(checkpoint / "optimizer.pt", "r+b") as file:
+            file.truncate(100)
+    else:   # same size, garbage content: only reading it shows the damage
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(b"\0" * weights.stat().st_size)
+
+
+@pytest.mark.parametrize("how", ["no marker", "truncated", "garbage"])
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
+    train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))
+    damage(tmp_path / "checkpoints" / "step-2", how)
+    with caplog.at_level(logging.WARNING):
+        assert read_newest(tmp_path / "checkpoints").progress.step == 1
+    assert "skipping checkpoint" in caplog.text and "step-2" in caplog.text
+
+
+KILLED_DURING_SAVE = """
+import sys, time, torch
+sys.path[:0] = [{repo!r}, {tests!r}]
+from jobs_support import job_config
+from trainer.loop import train
+
+torch.set_num_threads(1)
+real_save = torch.save
+def slow_save(obj, path, *args, **kwargs):
+    real_save(obj, path, *args, **kwargs)
+    if "step-2" in str(path):
+        print("saving", flush=True)
+        time.sleep(60)
+torch.save = slow_save
+train(job_config({run_dir!r}, "max_steps=3", "checkpoint.every_steps=1"))
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
+    script = KILLED_DURING_SAVE.format(repo=str(REPO), tests=str(REPO / "tests"), run_dir=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "saving"
+    child.send_signal(signal.SIGKILL)
+    child.wait(30)
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoints.glob(".tmp-step-2-*")], "the save was not caught midway"
+    assert read_newest(checkpoints).progress.step == 1
+
+    assert train(job_config(tmp_path, "max_steps=3", "checkpoint.every_steps=1"))["step"] == 3
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-2", "step-3"]
+
+
+def test_atomic_directory_leaves_nothing_behind_on_error(tmp_path):
+    with pytest.raises(RuntimeError):
+        with trainer.checkpoint.atomic_directory(tmp_path / "out") as temp:
+            (temp / "half").write_text("x")
+            raise RuntimeError("disk gone")
+    assert list(tmp_path.iterdir()) == []
