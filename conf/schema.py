@@ -50,6 +50,11 @@ class OptimConfig:
 class TrainConfig:
     """What is trained: `lora` (adapters through peft, base frozen) or `full` (every parameter)."""
     mode: str = "lora"
+    # train=full: where weights, gradients and AdamW state live (bytes per parameter; trainer/full_finetune.py):
+    # fp32 (fp32 weights, torch AdamW; 16 on the GPU), bf16 (bf16 weights and moments updated with
+    # stochastic rounding, gradients on the GPU; 8), bf16_host_grads (gradients streamed to pinned host
+    # memory in the backward; 6 on the GPU + 2 on the host). auto: the first that fits this machine.
+    full_state: str = "auto"
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0

@@ -7,9 +7,11 @@ import torch
 
 import data
 import kernels
+from trainer import full_finetune
 
 DEVICES = ("auto", "cuda", "cpu")
 TRAIN_MODES = ("lora", "full")
+FULL_STATES = ("auto", *full_finetune.LAYOUTS)
 
 
 class ConfigError(ValueError):
@@ -45,6 +47,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
     if cfg.train.mode not in TRAIN_MODES:
         raise ConfigError(f"train.mode={cfg.train.mode!r} is not one of {TRAIN_MODES} (choose train=lora or train=full)")
+    if cfg.train.full_state not in FULL_STATES:
+        raise ConfigError(f"train.full_state={cfg.train.full_state!r} is not one of {FULL_STATES}")
     if cfg.train.mode == "lora" and cfg.train.lora_r < 1:
         raise ConfigError(f"train.lora_r={cfg.train.lora_r} must be at least 1")
     if cfg.model.path is not None and not Path(cfg.model.path).expanduser().is_dir():
@@ -53,7 +57,24 @@ def validate(cfg) -> None:
     if cfg.model.num_attention_heads % cfg.model.num_key_value_heads:
         raise ConfigError(f"model.num_attention_heads={cfg.model.num_attention_heads} must be a multiple of "
                           f"model.num_key_value_heads={cfg.model.num_key_value_heads}")
+    validate_job_settings(cfg)
     try:
         data.check_data_config(cfg.data, cfg.seq_len, cfg.model.vocab_size, tokenizer_path=cfg.model.path)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def validate_job_settings(cfg) -> None:
+    """Checkpointing, logging and guard settings (docs/JOBS.md)."""
+    for name in ("every_steps", "every_minutes", "keep_last"):
+        if cfg.checkpoint[name] < 0:
+            raise ConfigError(f"checkpoint.{name}={cfg.checkpoint[name]} must be >= 0 (0 disables it)")
+    if cfg.logger.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {WANDB_MODES}")
+    if cfg.logger.peak_tflops <= 0:
+        raise ConfigError(f"logger.peak_tflops={cfg.logger.peak_tflops} must be positive (the accelerator's peak)")
+    if cfg.max_bad_steps < 1:
+        raise ConfigError(f"max_bad_steps={cfg.max_bad_steps} must be at least 1")

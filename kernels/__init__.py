@@ -23,6 +23,7 @@ TRITON_OPS = {
     "layer_norm": ("kernels.layernorm", "layer_norm"),
     "linear_cross_entropy": ("kernels.fused_linear_ce", "linear_cross_entropy"),
     "attention": ("kernels.flash_attention", "flash_attention"),
+    "adamw_update": ("kernels.adamw", "adamw_update"),
 }
 _backend = "auto"
 
@@ -75,3 +76,8 @@ def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):
     return _pick("linear_cross_entropy", hidden)(hidden, weight, targets, ignore_index=ignore_index,
                                                  reduction=reduction)
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, **hyperparameters):
+    """In-place fused AdamW step with stochastic rounding of bf16 state (reference.adamw_update)."""
+    _pick("adamw_update", param)(param, grad, exp_avg, exp_avg_sq, **hyperparameters)

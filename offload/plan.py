@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import LlamaConfig
+from trainer.full_finetune import layout_memory, layouts_to_try, weights_dtype
 
 GIB = 2**30
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
@@ -98,6 +99,8 @@ class MemoryPlan:
     host: dict[str, int]                 # predicted peak host bytes, itemized
     capacity: Capacity
     advice: list[str] = field(default_factory=list)
+    # train=full: where weights, gradients and AdamW state live (trainer.full_finetune.LAYOUTS).
+    full_state: str | None = None
 
     @property
     def gpu_peak(self) -> int:
@@ -109,7 +112,7 @@ class MemoryPlan:
 
     @property
     def pinned(self) -> int:
-        return self.host.get("pinned layer inputs", 0)
+        return sum(size for name, size in self.host.items() if name.startswith("pinned"))
 
     @property
     def gpu_limit(self) -> int:
@@ -126,7 +129,7 @@ class MemoryPlan:
     def describe(self) -> str:
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, "
-                 f"mlp_tiles={self.mlp_tiles}"]
+                 f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")]
         for title, items, total, limit in (("GPU", self.gpu, self.gpu_peak, self.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")
@@ -192,14 +195,30 @@ def max_recomputed(layers: int, on_gpu: int) -> int:
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True) -> MemoryPlan:
-    """The policy for this config on this machine (or `capacity`), with its predicted peaks."""
+    """The policy for this config on this machine (or `capacity`), with its predicted peaks. Full
+    fine-tuning takes the first state layout of train.full_state that fits (trainer.full_finetune)."""
     capacity = capacity or Capacity.detect(device, memory_cfg)
+    layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
+    for layout in layouts:
+        plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout)
+        if plan.fits:
+            break
+    if with_advice and not plan.fits:
+        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device)
+    return plan
+
+
+def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
+                 full_state: str | None) -> MemoryPlan:
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
-    shape = Shape(arch, seq_len * batch_size, 2 if lora_on_gpu else 4)
+    bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
+    shape = Shape(arch, tokens, 2 if bf16_weights else 4)
     total, trainable = parameter_counts(arch, train_cfg)
     frozen = total - trainable
-    static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4,
-              "trainable params+grads+adam": trainable * TRAINABLE_BYTES,
+    trainable_gpu, trainable_host = (layout_memory(full_state, trainable) if full_state else
+                                     ({"trainable params+grads+adam": trainable * TRAINABLE_BYTES}, {}))
+    trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
+    static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, -(-shape.tokens // tiles), memory_cfg.checkpoint)
@@ -213,7 +232,7 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
         on_gpu = layers if not memory_cfg.offload or device.type != "cuda" else (
             memory_cfg.gpu_layers if memory_cfg.gpu_layers is not None else min(layers, max(0, room // a)))
         on_gpu = min(layers, on_gpu)
-        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE)
+        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         needed = max(0, layers - on_gpu - host_room // pinned_size(a)) if on_gpu < layers else 0
         recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                       else min(needed, max_recomputed(layers, on_gpu)))
@@ -222,13 +241,10 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
     if placements is not None:
         gpu["layer inputs on GPU"] = placements.count("gpu") * a
     gpu.update(transient)
-    host = {"process baseline": HOST_BASELINE}
+    host = {"process baseline": HOST_BASELINE, **trainable_host}
     if placements is not None and placements.count("host"):
         host["pinned layer inputs"] = placements.count("host") * pinned_size(a)
-    plan = MemoryPlan(placements, tiles, gpu, host, capacity)
-    if with_advice and not plan.fits:
-        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device)
-    return plan
+    return MemoryPlan(placements, tiles, gpu, host, capacity, full_state=full_state)
 
 
 def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device) -> list[str]:

@@ -11,6 +11,7 @@ from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from offload.plan import MemoryPlan, plan_memory
 from offload.policy import apply_memory_policy
+from trainer.full_finetune import weights_dtype
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -23,8 +24,11 @@ def architecture(model_cfg) -> LlamaConfig:
     return LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS})
 
 
-def weight_dtype(train_mode: str, device: torch.device) -> torch.dtype:
-    """Frozen LoRA bases are stored in bf16 on GPU; trained weights stay fp32 (bf16 autocast computes)."""
+def weight_dtype(train_mode: str, device: torch.device, plan: MemoryPlan) -> torch.dtype:
+    """Frozen LoRA bases are stored in bf16 on GPU; fully trained weights take the dtype of the planned
+    state layout (fp32 computes under bf16 autocast; trainer.full_finetune)."""
+    if plan.full_state is not None:
+        return weights_dtype(plan.full_state)
     return torch.bfloat16 if device.type == "cuda" and train_mode == "lora" else torch.float32
 
 
@@ -47,7 +51,7 @@ def build_model(cfg, device: torch.device) -> torch.nn.Module:
     log.info("%s", plan.describe())
     if cfg.memory.check and not plan.fits:
         raise ConfigError(plan.failure() + "\n(memory.check=false skips this check)")
-    dtype = weight_dtype(cfg.train.mode, device)
+    dtype = weight_dtype(cfg.train.mode, device, plan)
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)

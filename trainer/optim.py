@@ -5,16 +5,24 @@ import math
 
 import torch
 
+from trainer.full_finetune import StreamedAdamW, update_units
 
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; norms and other 1-D parameters get no weight decay."""
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; norms and other 1-D parameters get no weight decay.
+    torch.optim.AdamW, or StreamedAdamW where the memory plan keeps bf16 weights (trainer.full_finetune)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters: check train.mode and train.lora_target_modules")
     decayed = [p for p in trainable if p.dim() >= 2]
     plain = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    groups = [g for g in groups if g["params"]]
+    full_state = getattr(getattr(model, "memory_plan", None), "full_state", None)
+    if full_state is not None and full_state != "fp32":
+        return StreamedAdamW(groups, update_units(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             grads_on_host=full_state == "bf16_host_grads", device=trainable[0].device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

@@ -46,6 +46,15 @@ def supervised_accuracy(model: torch.nn.Module, hidden: torch.Tensor, labels: to
         return float((logits.argmax(-1) == labels[mask]).float().mean())
 
 
+def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip to global L2 norm `grad_clip` (<= 0: no clipping); returns the norm before clipping. An
+    optimizer that gathers gradients itself during the backward (StreamedAdamW) computes it."""
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):
+        return optimizer.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+
+
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
                scheduler, grad_clip: float, device: torch.device) -> StepResult:
     """Forward/backward every micro-batch, clip, update (skipped when the loss or gradients are not finite).
@@ -65,8 +74,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
         loss.backward()
         total_loss += float(loss.detach())
         accuracy = supervised_accuracy(model, hidden.detach(), batch.labels)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = clip_gradients(model, optimizer, grad_clip)
     applied = update_is_finite(total_loss, float(grad_norm))
     if applied:
         optimizer.step()

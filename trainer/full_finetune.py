@@ -1,0 +1,239 @@
+"""Full fine-tuning where fp32 master weights do not fit: bf16 weights and AdamW moments on the GPU,
+updated with stochastic rounding by a fused kernel (kernels.adamw_update), and bf16 gradients either kept
+on the GPU or streamed to pinned host memory during the backward.
+
+State layouts, bytes per parameter (Llama-3-8B has 8.03e9 parameters, so 1 B/param = 7.5 GiB):
+
+  fp32            fp32 weights + grads + torch AdamW moments, all on the GPU     16 GPU           (120 GiB)
+  bf16            bf16 weights + grads + moments on the GPU                        8 GPU            (60 GiB)
+  bf16_host_grads bf16 weights + moments on the GPU, grads in pinned host memory   6 GPU + 2 host   (45 + 15)
+
+`plan_memory` (offload.plan) takes the first layout of `LAYOUTS` that fits the machine for train.full_state=auto.
+
+How a step runs with `StreamedAdamW`:
+  backward: a parameter's post-accumulate-grad hook marks its unit (a decoder layer; any other parameter
+    is a unit of its own) as the open one. Units finish one after another (per-layer checkpointing
+    back-propagates each layer whole) but one hook call does not mean a gradient is final: a tiled MLP
+    accumulates its weights' gradients once per tile. So a unit is flushed when a hook of *another* unit
+    fires: each gradient (plus, with host gradients, the partial sum of earlier micro-batches, copied
+    back and added on the GPU) has its squared L2 norm recorded, and with host gradients is copied to the
+    pinned buffer on a side stream and freed on the GPU.
+  clip_grad_norm_: flushes the last unit; the global norm is sqrt(sum of the recorded squares), which is
+    the norm of the fully accumulated gradient (a re-flushed unit overwrites its entries), so clipping is
+    exact, as torch.nn.utils.clip_grad_norm_ (coefficient min(1, max_norm / (norm + 1e-6))).
+  step: unit by unit, the gradients come back from the host (the next unit's copy overlapping this
+    unit's update kernels) and each parameter gets one fused AdamW update on grad * coefficient.
+
+The optimizer is a torch.optim.Optimizer with AdamW's state keys (step, exp_avg, exp_avg_sq), so
+state_dict()/load_state_dict() work as for torch.optim.AdamW (moments are cast to the parameter dtype on
+load, so a torch AdamW checkpoint loads too).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+
+LAYOUTS = ("fp32", "bf16", "bf16_host_grads")
+# GPU and pinned-host bytes per trainable parameter of each layout.
+GPU_BYTES = {"fp32": 16, "bf16": 8, "bf16_host_grads": 6}
+HOST_BYTES = {"fp32": 0, "bf16": 0, "bf16_host_grads": 2}
+# Host views start on this boundary, so every copy is aligned for the DMA engine.
+ALIGNMENT = 64
+
+
+def layouts_to_try(full_state: str) -> tuple[str, ...]:
+    """The layouts the planner tries, best first: all of them for "auto", else the one asked for."""
+    return LAYOUTS if full_state == "auto" else (full_state,)
+
+
+def weights_dtype(layout: str) -> torch.dtype:
+    return torch.float32 if layout == "fp32" else torch.bfloat16
+
+
+def layout_memory(layout: str, params: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(GPU items, pinned host items) in bytes of `params` trainable parameters under `layout` (host
+    items before the pinned allocator's rounding)."""
+    if layout == "fp32":
+        return {"fp32 weights+grads+adam": 16 * params}, {}
+    gpu = {"bf16 weights": 2 * params, "bf16 adam moments": 4 * params}
+    if layout == "bf16":
+        return gpu | {"bf16 gradients": 2 * params}, {}
+    return gpu, {"pinned gradients": 2 * params}
+
+
+def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """Trainable parameters grouped by decoder layer (a layer's gradients are complete together in the
+    backward), in forward order; every other parameter is a unit of its own. Tied tensors appear once."""
+    llama = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_of = {id(p): i for i, layer in enumerate(llama.model.layers) for p in layer.parameters()}
+    units, layer_units, seen = [], {}, set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        layer = layer_of.get(id(param))
+        if layer is None:
+            units.append([param])
+        elif layer in layer_units:
+            layer_units[layer].append(param)
+        else:
+            layer_units[layer] = [param]
+            units.append(layer_units[layer])
+    return units
+
+
+class HostGradients:
+    """Every parameter's gradient in one host buffer (pinned on CUDA, where copies run on a side stream;
+    on CPU the copies are plain and synchronous, so the same logic runs in CPU tests)."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        offsets, total = [], 0
+        for param in params:
+            offsets.append(total)
+            total += -(-param.numel() * param.element_size() // ALIGNMENT) * ALIGNMENT
+        # One buffer: the pinned allocator rounds each allocation up to a power of two.
+        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda)
+        self.views = {param: self.buffer[start:start + param.numel() * param.element_size()]
+                      .view(param.dtype).view(param.shape) for param, start in zip(params, offsets)}
+        self.holding: set[nn.Parameter] = set()      # parameters whose host view holds this step's sum
+
+    def store(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Copy `grad` into the host view (asynchronously on CUDA); the caller may drop `grad` at once."""
+        self.holding.add(param)
+        if not self.cuda:
+            self.views[param].copy_(grad)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.views[param].copy_(grad, non_blocking=True)
+        grad.record_stream(self.stream)      # its memory is reused only once the copy has read it
+
+    def load(self, params: list[nn.Parameter]) -> tuple[dict[nn.Parameter, torch.Tensor], object]:
+        """Start copying the held gradients of `params` to the device; returns them and an event that
+        `wait` orders the current stream after."""
+        held = [p for p in params if p in self.holding]
+        if not self.cuda:
+            return {p: self.views[p] for p in held}, None
+        grads = {p: torch.empty_like(p) for p in held}       # owned by the compute stream
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for param, grad in grads.items():
+                grad.copy_(self.views[param], non_blocking=True)
+            done = self.stream.record_event()
+        return grads, done
+
+    @staticmethod
+    def wait(done) -> None:
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+
+class StreamedAdamW(torch.optim.Optimizer):
+    """AdamW over bf16 (or any dtype) parameters updated in place by `kernels.adamw_update`, with exact
+    global-norm clipping from gradients gathered during the backward (module docstring).
+
+    Per step: zero_grad(); backward of every micro-batch; clip_grad_norm_(max_norm); step()."""
+
+    def __init__(self, param_groups: list[dict], units: list[list[nn.Parameter]], *, lr: float,
+                 betas: tuple[float, float], eps: float, grads_on_host: bool, device: torch.device, seed: int = 0):
+        super().__init__(param_groups, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0})
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.units = units
+        self.unit_of = {p: index for index, unit in enumerate(units) for p in unit}
+        if set(self.unit_of) != set(params):
+            raise ValueError("update units must cover exactly the optimizer's parameters")
+        self.norm_index = {p: index for index, p in enumerate(params)}
+        self.squared_norms = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.host = HostGradients(params, device) if grads_on_host else None
+        self.open_unit: int | None = None
+        self.grad_scale = 1.0
+        self.seed = seed
+        self.hooks = [p.register_post_accumulate_grad_hook(self._gradient_accumulated) for p in params]
+
+    # ------------------------------------------------------------------------------- during the backward
+
+    def _gradient_accumulated(self, param: nn.Parameter) -> None:
+        unit = self.unit_of[param]
+        if self.open_unit is not None and self.open_unit != unit:
+            self._flush(self.open_unit)
+        self.open_unit = unit
+
+    def _flush(self, unit: int) -> None:
+        """Record the squared norms of the unit's accumulated gradients; with host gradients, move them
+        there (adding the partial sum of earlier micro-batches first)."""
+        for param in self.units[unit]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if self.host is not None and param in self.host.holding:
+                partial, done = self.host.load([param])
+                self.host.wait(done)
+                grad.add_(partial[param])
+            self.squared_norms[self.norm_index[param]] = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+            if self.host is not None:
+                self.host.store(param, grad)
+                param.grad = None
+
+    # -------------------------------------------------------------------------------- after the backward
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of the step's accumulated gradients; step() will scale them by
+        min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ would (inf: no clipping)."""
+        if self.open_unit is not None:
+            self._flush(self.open_unit)
+            self.open_unit = None
+        norm = self.squared_norms.sum().sqrt()
+        self.grad_scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.squared_norms.zero_()
+        self.open_unit = None
+        if self.host is not None:
+            self.host.holding.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("StreamedAdamW.step takes no closure")
+        if self.open_unit is not None:
+            raise RuntimeError("call clip_grad_norm_ (with inf for no clipping) between backward and step")
+        # Looked up per step: load_state_dict replaces the group dicts.
+        group_of = {p: group for group in self.param_groups for p in group["params"]}
+        incoming = self._gradients_of(0)
+        for index, unit in enumerate(self.units):
+            grads, done = incoming
+            if index + 1 < len(self.units):
+                incoming = self._gradients_of(index + 1)      # overlaps this unit's updates
+            HostGradients.wait(done)
+            for param in unit:
+                if param in grads:
+                    self._update(param, grads[param], group_of[param])
+
+    def _gradients_of(self, unit: int) -> tuple[dict[nn.Parameter, torch.Tensor], object]:
+        params = self.units[unit]
+        if self.host is not None:
+            return self.host.load(params)
+        return {p: p.grad for p in params if p.grad is not None}, None
+
+    def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                         exp_avg_sq=torch.zeros_like(param))
+        state["step"] += 1
+        step = int(state["step"].item())
+        beta1, beta2 = group["betas"]
+        kernels.adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
+                             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                             grad_scale=self.grad_scale, seed=hash((self.seed, step, self.norm_index[param])) % 2**31)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Free the current moments first: on the GPU two copies of them (2 x 30 GiB at 8B) do not fit.
+        self.state.clear()
+        super().load_state_dict(state_dict)
