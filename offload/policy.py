@@ -96,6 +96,11 @@ class TiledForward:
         return TokenTiled.apply(self.anchor, x, self.forward, self.tiles)
 
 
+def input_key(index: int) -> tuple[str, int]:
+    """The pinned-pool key of layer `index`'s input."""
+    return ("layer_input", index)
+
+
 @dataclass
 class StoredInput:
     placement: str
@@ -120,7 +125,7 @@ class LayerInputStore:
     def keep(self, index: int, hidden: torch.Tensor) -> None:
         placement = self.placements[index]
         payload = {"gpu": lambda: hidden.detach(), "recompute": lambda: None,
-                   "host": lambda: self.engine.to_host(("layer_input", index), hidden.detach())}[placement]()
+                   "host": lambda: self.engine.to_host(input_key(index), hidden.detach())}[placement]()
         self.stored[index] = StoredInput(placement, payload, ReplayState.capture(hidden.device))
 
     def replay_state(self, index: int) -> ReplayState:
@@ -210,7 +215,7 @@ class MemoryPolicy:
         nbytes = batch_size * seq_len * self.decoder.cfg.hidden_size * dtype.itemsize
         for index, placement in enumerate(self.store.placements):
             if placement == "host":
-                self.engine.pool.get(("layer_input", index), nbytes)
+                self.engine.pool.get(input_key(index), nbytes)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         if not torch.is_grad_enabled():

@@ -12,6 +12,7 @@ peak GPU memory (allocated and reserved), peak host RSS and the planner's predic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--steps", type=int, default=3, help="steps run; the first is a warm-up unless 1")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last step")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
 
@@ -125,17 +127,25 @@ def main() -> None:
     from trainer.metrics import step_flops
 
     started = time.perf_counter()
+    torch.manual_seed(0)
     arch, step, offload_stats, info = (build_peer if args.peer else build_ours)(args.seq_len, args.overrides)
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
+    torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's
     times, losses = [], []
     for index in range(args.steps):
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) \
+            if args.profile and index == args.steps - 1 else contextlib.nullcontext()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        losses.append(float(step(input_ids, labels)))
-        torch.cuda.synchronize()
+        with profiler:
+            losses.append(float(step(input_ids, labels)))
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         copy = offload_stats()
         print(f"step {index}: {times[-1]:.2f} s loss {losses[-1]:.4f} {json.dumps(copy)}", file=sys.stderr, flush=True)
+    if args.profile:
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70),
+              file=sys.stderr)
     timed = times[1:] if len(times) > 1 else times
     seconds = statistics.median(timed)
     total_params, _ = parameter_counts(arch, SimpleNamespace(mode="full"))

@@ -24,9 +24,9 @@ def reference_kernels():
     kernels.set_backend("auto")
 
 
-def lora_model(device="cpu", dtype=torch.float32, dropout=0.0):
+def lora_model(device="cpu", dtype=torch.float32, dropout=0.0, shape=TINY):
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**TINY), dtype=dtype, device=device)
+    model = Llama.from_config(LlamaConfig(**shape), dtype=dtype, device=device)
     model = apply_lora(model, SimpleNamespace(**{**vars(LORA), "lora_dropout": dropout}))
     with torch.no_grad():     # LoRA B starts at zero: make every adapter matter to the loss
         for name, param in model.named_parameters():
@@ -140,11 +140,16 @@ def test_invalid_placements_are_refused(placements):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
 def test_policy_matches_plain_autograd_on_cuda():
     kernels.set_backend("auto")
-    model = lora_model(device="cuda", dtype=torch.bfloat16)
+    # head_dim 64: a size the Triton attention supports
+    model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
     input_ids, labels = batch(seqlen=512, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     reference = loss_and_grads(model, input_ids, labels, autocast=autocast)
     policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 3, torch.device("cuda"))
     for _ in range(2):      # the second step reuses the pinned buffers
-        assert_same(reference, loss_and_grads(model, input_ids, labels, autocast=autocast), rtol=2e-2)
+        loss, grads = loss_and_grads(model, input_ids, labels, autocast=autocast)
+        torch.testing.assert_close(loss, reference[0], rtol=1e-2, atol=0)
+        for name, grad in grads.items():    # bf16: MLP tiles round differently, compare by norm
+            ref = reference[1][name]
+            assert float((grad - ref).norm() / ref.norm()) < 2e-2, name
     assert policy.stats()["offload/pinned_gib"] > 0

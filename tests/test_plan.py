@@ -1,0 +1,76 @@
+"""The memory planner: byte counts, policy choice for the H100 host, and failing before the model is built."""
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model import LlamaConfig
+from offload.config import MemoryConfig
+from offload.plan import GIB, Capacity, parameter_counts, pinned_size, plan_memory
+
+LLAMA3_8B = LlamaConfig()
+LORA = SimpleNamespace(mode="lora", lora_r=16, lora_target_modules=[
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
+CUDA = torch.device("cuda")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(seq_len, memory=None, capacity=H100_HOST, train=LORA):
+    return plan_memory(LLAMA3_8B, train, memory or MemoryConfig(), seq_len, 1, CUDA, capacity)
+
+
+def test_parameter_counts_of_llama3_8b():
+    total, lora = parameter_counts(LLAMA3_8B, LORA)
+    assert total - lora == 8_030_261_248                      # Meta-Llama-3-8B
+    assert lora == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * (4096 + 14336))
+
+
+def test_pinned_buffers_round_to_powers_of_two():
+    assert pinned_size(2**30) == 2**30 and pinned_size(2**30 + 1) == 2**31
+
+
+def test_short_sequences_keep_every_input_on_the_gpu():
+    short = plan(32768)
+    assert short.fits and short.placements == ["gpu"] * 32 and short.pinned == 0
+
+
+@pytest.mark.parametrize("seq_len", [262144, 524288])
+def test_long_sequences_offload_and_fit_the_h100(seq_len):
+    long = plan(seq_len)
+    assert long.fits and long.count("host") > 0
+    assert long.placements[:long.count("gpu")] == ["gpu"] * long.count("gpu")
+    assert long.mlp_tiles == seq_len // 16384
+
+
+def test_524k_recomputes_what_the_host_cannot_hold():
+    placements = plan(524288).placements
+    assert placements.count("recompute") > 0
+    assert all(placements[i - 1] != "recompute" for i, p in enumerate(placements) if p == "recompute")
+    assert placements[0] != "recompute"
+
+
+def test_forced_settings_that_do_not_fit_come_with_numbers_and_advice():
+    failing = plan(524288, MemoryConfig(offload=False))
+    assert not failing.fits
+    message = failing.failure()
+    assert "GPU peak" in message and "of 72" in message and "memory.offload=true" in message
+    assert "seq_len=" in message
+
+
+def test_small_host_is_reported():
+    tiny_host = Capacity(gpu=int(79.2 * GIB), host=32 * GIB, pinnable=24 * GIB)
+    failing = plan(524288, capacity=tiny_host)
+    assert not failing.fits and "a host with at least" in failing.failure()
+
+
+def test_plan_script_exits_nonzero_before_building_anything():
+    command = [sys.executable, str(ROOT / "scripts/plan.py"), "model=llama3_8b", "train=lora", "seq_len=524288",
+               "memory.offload=false", "memory.gpu_memory_gib=79.2", "memory.host_memory_gib=125",
+               "hydra.run.dir=/tmp/plan-test", "hydra.output_subdir=null", "device=cuda"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "does not fit" in result.stdout and "memory.offload=true" in result.stdout
