@@ -17,12 +17,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"     # trainer.metrics.METRICS_FILE; not imported, so plotting needs no torch
-# PNG name -> (title, y label, metrics drawn).
+# PNG name -> (title, y label, metrics drawn: a name, or a suffix that picks every metric ending in it,
+# so the memory engine's GiB metrics are drawn next to the trainer's).
 PLOTS = {
-    "report_loss.png": ("Loss", "loss", ["loss"]),
-    "report_throughput.png": ("Throughput", "tokens/s", ["tokens_per_s"]),
-    "report_memory.png": ("Memory", "GiB", ["gpu_allocated_gib", "gpu_reserved_gib", "gpu_peak_gib",
-                                            "host_rss_gib"]),
+    "report_loss.png": ("Loss", "loss", "loss"),
+    "report_throughput.png": ("Throughput", "tokens/s", "tokens_per_s"),
+    "report_memory.png": ("Memory", "GiB", "_gib"),
 }
 
 
@@ -41,8 +41,9 @@ def series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(records: list[dict], run_dir: Path, file_name: str, title: str, ylabel: str, names: list[str]) -> Path:
+def plot(records: list[dict], run_dir: Path, file_name: str, title: str, ylabel: str, suffix: str) -> Path:
     figure, axes = plt.subplots(figsize=(8, 4.5))
+    names = sorted({name for record in records for name in record if name.endswith(suffix)})
     for name in names:
         steps, values = series(records, name)
         if steps:

@@ -24,7 +24,7 @@ from trainer.build import build_model, count_parameters
 from trainer.checkpoint import BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint, save_hf_model
 from trainer.console import ProgressBar, startup_summary, step_line
 from trainer.guard import BadStepCounter
-from trainer.metrics import MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops
+from trainer.metrics import GIB, MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import checkpoint_to_resume
 from trainer.signals import StopSignals
@@ -53,6 +53,14 @@ def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
     base_dir = run_dir / BASE_MODEL_DIR
     if is_lora(model) and not cfg.model.path and cfg.checkpoint.save_random_base and not base_dir.is_dir():
         save_hf_model(full_weights(model), model.config.to_hf_dict(), base_dir)
+
+
+def planned_memory(model: torch.nn.Module) -> str:
+    plan = getattr(model, "memory_plan", None)
+    if plan is None:
+        return "none"
+    return (f"GPU peak {plan.gpu_peak / GIB:.2f} of {plan.gpu_limit / GIB:.2f} GiB usable, host peak "
+            f"{plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
 
 
 class CheckpointTimer:
@@ -105,6 +113,7 @@ def train(cfg) -> dict:
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
+        "memory plan": planned_memory(model),
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
     if loaded:
