@@ -63,6 +63,16 @@ def planned_memory(model: torch.nn.Module) -> str:
             f"{plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
 
 
+def add_memory_engine_sources(metrics_log: MetricsLog, model: torch.nn.Module, device: torch.device) -> None:
+    """Per step: the memory engine's offload numbers (pinned GiB, copy GB/s, share of copy time hidden behind
+    compute) and, on GPU, the planner's predicted peak to compare with the measured gpu_peak_gib."""
+    policy, plan = getattr(model, "memory_policy", None), getattr(model, "memory_plan", None)
+    if policy is not None:
+        metrics_log.add_source(policy.stats)
+    if plan is not None and device.type == "cuda":
+        metrics_log.add_source(lambda: {"gpu_planned_peak_gib": plan.gpu_peak / GIB})
+
+
 class CheckpointTimer:
     """When the next periodic checkpoint is due: every `every_steps` steps or `every_minutes` minutes."""
 
@@ -101,6 +111,7 @@ def train(cfg) -> dict:
                            progress.wandb_run_id)
     progress.wandb_run_id = wandb_run.id if wandb_run else None
     metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
+    add_memory_engine_sources(metrics_log, model, device)
 
     trainable, total = count_parameters(model)
     sequences = cfg.batch_size * cfg.optim.grad_accum_steps

@@ -13,7 +13,7 @@ MODES = ("offline", "online", "disabled")
 SECTIONS = {"loss": "train", "accuracy": "train", "lr": "train", "grad_norm": "train", "tokens_seen": "train",
             "skipped_steps": "train", "applied": "train", "tokens_per_s": "perf", "mfu": "perf", "step_time_s": "perf",
             "data_wait_s": "perf", "host_rss_gib": "memory", "gpu_allocated_gib": "memory",
-            "gpu_reserved_gib": "memory", "gpu_peak_gib": "memory"}
+            "gpu_reserved_gib": "memory", "gpu_peak_gib": "memory", "gpu_planned_peak_gib": "memory"}
 NOT_LOGGED = ("step", "time")
 
 
