@@ -22,8 +22,8 @@ from safetensors import safe_open  # noqa: E402
 from model import Llama  # noqa: E402
 from model.checkpoint import read_config, weight_files  # noqa: E402
 from trainer.build import architecture  # noqa: E402
-from trainer.checkpoint import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, FULL_WEIGHTS, CheckpointError, full_weights,  # noqa: E402
-                                marker_problem, save_hf_model)
+from trainer.checkpoint import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, FULL_WEIGHTS, CheckpointError,  # noqa: E402
+                                full_weights, marker_problem, save_hf_model)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

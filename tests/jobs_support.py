@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,14 @@ def losses(run_dir: Path) -> list[float]:
 def checkpoint_weights(checkpoint: Path) -> dict:
     adapter = checkpoint / "adapter" / "adapter_model.safetensors"
     return load_file(adapter if adapter.is_file() else checkpoint / "model.safetensors")
+
+
+TIMEOUT_S = 90
+
+
+def wait_for(condition, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert process is None or process.poll() is None, f"process exited ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jobs_support import job_config, single_torch_thread  # noqa: F401
+from jobs_support import job_config, single_torch_thread, wait_for  # noqa: F401
 from trainer.loop import train
 
 
@@ -17,9 +17,10 @@ def test_offline_run_directory_and_resumed_run_id(tmp_path):
     run_id = json.loads((tmp_path / "checkpoints" / "step-2" / "progress.json").read_text())["wandb_run_id"]
     [first] = offline_runs(tmp_path)
     assert first.name.endswith(f"-{run_id}")
-    history = (first / f"run-{run_id}.wandb").read_bytes()
-    for metric in (b"train/loss", b"perf/tokens_per_s", b"memory/host_rss_gib", b"seq_len"):
-        assert metric in history, metric
+    history = first / f"run-{run_id}.wandb"
+    wait_for(lambda: b"train/loss" in history.read_bytes(), "wandb's service to write the history")
+    for metric in (b"perf/tokens_per_s", b"memory/host_rss_gib", b"seq_len"):
+        assert metric in history.read_bytes(), metric
 
     train(job_config(tmp_path, "max_steps=3", "logger.wandb.mode=offline", "logger.wandb.tags=[test]"))
     runs = offline_runs(tmp_path)

@@ -8,20 +8,11 @@ import subprocess
 import sys
 import time
 
-from jobs_support import REPO, job_config, records, single_torch_thread, start_training  # noqa: F401
+from jobs_support import (REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
+                          start_training, wait_for)
 from trainer.checkpoint import marker_problem
 from trainer.loop import train
 from trainer.signals import StopSignals
-
-TIMEOUT_S = 90
-
-
-def wait_for(condition, what: str, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert process is None or process.poll() is None, f"process exited ({process.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):

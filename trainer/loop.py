@@ -21,10 +21,12 @@ import kernels
 from conf.validate import resolve_device, validate
 from data import build_data
 from trainer.build import build_model, count_parameters
-from trainer.checkpoint import BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint, save_hf_model
+from trainer.checkpoint import (BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint,
+                                save_hf_model)
 from trainer.console import ProgressBar, startup_summary, step_line
 from trainer.guard import BadStepCounter
-from trainer.metrics import GIB, MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops
+from trainer.metrics import (GIB, MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
+                             wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import checkpoint_to_resume
 from trainer.signals import StopSignals
@@ -109,7 +111,8 @@ def train(cfg) -> dict:
     progress = loaded.progress if loaded else Progress()
     wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                            progress.wandb_run_id)
-    progress.wandb_run_id = wandb_run.id if wandb_run else None
+    if wandb_run:
+        progress.wandb_run_id = wandb_run.id
     metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
     add_memory_engine_sources(metrics_log, model, device)
 
@@ -145,6 +148,7 @@ def train(cfg) -> dict:
                 lr = scheduler.get_last_lr()[0]
                 reset_peak_memory(device)
                 result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device)
+                wait_for_device(device)
                 step_time = time.perf_counter() - started
                 guard.record(result.applied)
                 progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens

@@ -33,6 +33,12 @@ def model_flops_utilization(flops: float, seconds: float, device: torch.device, 
     return flops / seconds / (peak_tflops * 1e12)
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Let queued GPU work (the optimizer step) finish, so the step time covers all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a step's peak-memory window."""
     if device.type == "cuda":

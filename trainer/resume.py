@@ -7,7 +7,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import CheckpointError, LoadedCheckpoint, complete_checkpoints, read_checkpoint, read_newest, step_of
+from trainer.checkpoint import (CheckpointError, LoadedCheckpoint, complete_checkpoints, read_checkpoint, read_newest,
+                                step_of)
 
 log = logging.getLogger(__name__)
 
