@@ -100,7 +100,7 @@ class JobConfig:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     train: TrainConfig = MISSING
-    seq_len: int = 1024
+    seq_len: int = 8192
     batch_size: int = 1
     seed: int = 0
     max_steps: int = 1000

@@ -1,10 +1,11 @@
 """Synthetic long-range recall: the embedded default task, needing no tokenizer and no files.
 
-Each sequence is BOS, filler noise with key/value bigrams scattered through it, then queries
-"QUERY key" at the end. Every key recurs `repeats` times with the same value; from its second occurrence
-on, and at the queries, the model must find the key further back and copy the value that followed it.
-Only those recalled values are supervised, so chance accuracy is 1 / num_values. The repeats make the
-signal dense enough for a tiny model to learn retrieval (an induction circuit) within minutes on a CPU.
+Each sequence is BOS, filler noise with facts "value key" scattered through it, then queries
+"QUERY key" at the end. Every fact recurs `repeats` times; at each recurrence of a key after its first
+and at each query, the target predicted at the key is the value filed under it, found by looking back
+for the same key. Only those recalled values are supervised (they are targets, not the next tokens), so
+chance accuracy is 1 / num_values. Writing the value before its key lets the lookup match the key token
+itself, so a tiny model learns it within minutes on a CPU; the repeats make the signal dense.
 """
 from __future__ import annotations
 
@@ -52,12 +53,13 @@ class RecallTask:
         occurrences = cfg.num_pairs * cfg.repeats
         slots = 1 + 2 * torch.randperm((query_start - 1) // 2, generator=generator)[:occurrences].sort().values
         pair_of_slot = torch.arange(cfg.num_pairs).repeat(cfg.repeats)[torch.randperm(occurrences, generator=generator)]
-        tokens[slots], tokens[slots + 1] = keys[pair_of_slot], values[pair_of_slot]
+        # A fact is written "value key"; later the key alone asks for its value.
+        tokens[slots], tokens[slots + 1] = values[pair_of_slot], keys[pair_of_slot]
         labels = torch.full((length,), IGNORE_INDEX)
         seen = set()
         for slot, pair in zip(slots.tolist(), pair_of_slot.tolist()):
             if pair in seen:
-                labels[slot] = values[pair]        # a recurrence: its value was shown earlier
+                labels[slot + 1] = values[pair]    # a recurrence: its value was shown earlier
             seen.add(pair)
         asked = torch.randperm(cfg.num_pairs, generator=generator)[:cfg.num_queries]
         for i, pair in enumerate(asked.tolist()):
