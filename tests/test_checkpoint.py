@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 import trainer.checkpoint
-from jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
+from tests.jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
 from model import Llama
 from trainer.build import architecture
 from trainer.checkpoint import CheckpointError, marker_problem, read_newest
@@ -78,8 +78,8 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
 
 KILLED_DURING_SAVE = """
 import sys, time, torch
-sys.path[:0] = [{repo!r}, {tests!r}]
-from jobs_support import job_config
+sys.path.insert(0, {repo!r})
+from tests.jobs_support import job_config
 from trainer.loop import train
 
 torch.set_num_threads(1)
@@ -95,7 +95,7 @@ train(job_config({run_dir!r}, "max_steps=3", "checkpoint.every_steps=1"))
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
-    script = KILLED_DURING_SAVE.format(repo=str(REPO), tests=str(REPO / "tests"), run_dir=str(tmp_path))
+    script = KILLED_DURING_SAVE.format(repo=str(REPO), run_dir=str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "saving"
     child.send_signal(signal.SIGKILL)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
 from model import Llama
 from scripts.export import ExportError, export
 from trainer.loop import train

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from jobs_support import REPO, job_config, records, single_torch_thread  # noqa: F401
+from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: F401
 from trainer.console import step_line
 from trainer.loop import train
 from trainer.metrics import MetricsLog, model_flops_utilization, step_flops

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jobs_support import job_config, single_torch_thread, wait_for  # noqa: F401
+from tests.jobs_support import job_config, single_torch_thread, wait_for  # noqa: F401
 from trainer.loop import train
 
 

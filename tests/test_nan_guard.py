@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trainer.loop
-from jobs_support import job_config, records, single_torch_thread  # noqa: F401
+from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
 from trainer.guard import BadStepsError, update_is_finite
 from trainer.loop import train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import trainer.loop
-from jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
+from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
 from trainer.checkpoint import CheckpointError
 from trainer.loop import train
 

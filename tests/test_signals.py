@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from jobs_support import (REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
+from tests.jobs_support import (REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
                           start_training, wait_for)
 from trainer.checkpoint import marker_problem
 from trainer.loop import train
