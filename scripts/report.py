@@ -7,7 +7,6 @@ Writes report_loss.png, report_throughput.png and report_memory.png, and prints 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-METRICS_FILE = "metrics.jsonl"     # trainer.metrics.METRICS_FILE; not imported, so plotting needs no torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
 # PNG name -> (title, y label, metrics drawn: a name, or a suffix that picks every metric ending in it,
 # so the memory engine's GiB metrics are drawn next to the trainer's).
 PLOTS = {
@@ -26,11 +26,11 @@ PLOTS = {
 }
 
 
-def read_records(run_dir: Path) -> list[dict]:
+def run_records(run_dir: Path) -> list[dict]:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: give the output_dir of a training run")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     if not records:
         raise SystemExit(f"{path} has no steps yet: nothing to plot")
     return records
@@ -71,7 +71,7 @@ def summary(records: list[dict]) -> str:
 
 
 def report(run_dir: Path) -> list[Path]:
-    records = read_records(run_dir)
+    records = run_records(run_dir)
     paths = [plot(records, run_dir, name, *spec) for name, spec in PLOTS.items()]
     print(summary(records))
     return paths

@@ -2,7 +2,6 @@
 readers for what a run leaves in its directory."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from conf.schema import register_configs
+from trainer.metrics import METRICS_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 # The tiny model on a short recall task: a step takes well under a second on one CPU core.
@@ -47,8 +47,8 @@ def start_training(run_dir: Path, *overrides: str) -> subprocess.Popen:
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    path = run_dir / METRICS_FILE
+    return read_records(path) if path.is_file() else []
 
 
 def losses(run_dir: Path) -> list[float]:

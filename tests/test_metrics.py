@@ -30,6 +30,8 @@ def test_metrics_log_adds_sources_writes_strict_json_and_forgets_lost_steps(tmp_
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[1], parse_constant=lambda name: math.nan)["loss"] is None   # no bare NaN
 
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"step": 4, "lo')        # the process was killed mid-line
     MetricsLog(tmp_path, resumed_step=2)      # resumed from a step-2 checkpoint: step 3 is redone
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
 

@@ -60,13 +60,23 @@ def finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a last line cut short by a killed process is ignored."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def drop_records_after(path: Path, step: int) -> None:
-    """Forget records of steps after `step`: their work was lost, and they are about to be redone."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    """Forget records of steps after `step` (and any cut-off line): that work was lost and is about to be
+    redone."""
+    if path.is_file():
+        kept = [record for record in read_records(path) if record["step"] <= step]
+        path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
 
 class MetricsLog:
