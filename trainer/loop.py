@@ -167,11 +167,12 @@ def train(cfg) -> dict:
                 # A skipped step left the weights untouched, so saving after it is safe; periodic saves
                 # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
                 if stopping or step == cfg.max_steps or (result.applied and timer.due(step)):
+                    saving = time.perf_counter()
                     last_checkpoint = save_checkpoint(checkpoints, model, optimizer, scheduler, stream,
                                                       progress, config_yaml)
                     prune(checkpoints, cfg.checkpoint.keep_last)
                     timer.saved()
-                    bar.write(f"checkpoint written: {last_checkpoint}")
+                    bar.write(f"checkpoint {last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
                 if stopping:
                     bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
                     break
