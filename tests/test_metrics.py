@@ -6,9 +6,11 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: F401
+from scripts.report import report
 from trainer.console import step_line
 from trainer.loop import train
 from trainer.metrics import MetricsLog, model_flops_utilization, step_flops
@@ -55,6 +57,5 @@ def test_training_records_every_step_and_report_draws_pngs(tmp_path):
 
 
 def test_report_on_a_directory_without_metrics_says_what_to_give(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/report.py", str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True)
-    assert done.returncode != 0 and "give the output_dir of a training run" in done.stderr
+    with pytest.raises(SystemExit, match="give the output_dir of a training run"):
+        report(tmp_path)
