@@ -43,7 +43,7 @@ def random_batch(seq_len: int, vocab: int, device) -> tuple[torch.Tensor, torch.
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def build_ours(seq_len: int, overrides: list[str]):
+def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     """The trainer's model (memory policy included), its optimizer and a step function."""
     from hydra import compose, initialize_config_dir
 
@@ -51,24 +51,24 @@ def build_ours(seq_len: int, overrides: list[str]):
     from conf.schema import register_configs
     from trainer.build import build_model
     from trainer.optim import build_optimizer
+    from trainer.step import clip_gradients
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=llama3_8b", "train=lora", "batch_size=1", f"seq_len={seq_len}",
+        cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
     kernels.set_backend(cfg.kernels)
     device = torch.device("cuda")
     model = build_model(cfg, device)
     optimizer = build_optimizer(model, cfg.optim)
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step(input_ids, labels):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lm.loss(model(input_ids), labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        clip_gradients(model, optimizer, 1.0)     # full fine-tuning: StreamedAdamW's exact global norm
         optimizer.step()
         return loss
 
@@ -77,7 +77,7 @@ def build_ours(seq_len: int, overrides: list[str]):
     plan = model.memory_plan
     info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
-                     "mlp_tiles": plan.mlp_tiles, "gpu_peak_gib": plan.gpu_peak / GIB,
+                     "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "host_peak_gib": plan.host_peak / GIB}}
     return lm.config, step, model.memory_policy.stats, info
 
@@ -118,6 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--steps", type=int, default=3, help="steps run; the first is a warm-up unless 1")
+    parser.add_argument("--train", choices=("lora", "full"), default="lora",
+                        help="full: every parameter (issue 6; the planner picks train.full_state)")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last step")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
@@ -128,7 +130,8 @@ def main() -> None:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    arch, step, offload_stats, info = (build_peer if args.peer else build_ours)(args.seq_len, args.overrides)
+    arch, step, offload_stats, info = (build_peer(args.seq_len, args.overrides) if args.peer else
+                                       build_ours(args.seq_len, args.overrides, args.train))
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
     torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's
     times, losses = [], []
