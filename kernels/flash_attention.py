@@ -91,6 +91,17 @@ def _tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS: tl.constexpr):
+    """Each query row's document bounds [start, end); without documents, placeholders _visible ignores."""
+    doc_lo = offs_m
+    doc_hi = offs_m
+    if HAS_DOCS:
+        doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
+        doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
+    return doc_lo, doc_hi
+
+
+@triton.jit
 def _visible(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Mask of query/key pairs that attend: `other` (the key, or the query) must lie in the document
     [doc_lo, doc_hi) of the opposite side, both inside the sequence, and key <= query when causal."""
@@ -157,12 +168,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
-    if HAS_DOCS:
-        row_doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
-        row_doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
-    else:
-        row_doc_lo = offs_m
-        row_doc_hi = offs_m
+    row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     lo, full_lo, full_hi, hi = _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
 
@@ -245,12 +251,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
-    if HAS_DOCS:
-        row_doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
-        row_doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
-    else:
-        row_doc_lo = offs_m
-        row_doc_hi = offs_m
+    row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     row_stats = (batch * tl.num_programs(1) + head) * seqlen + offs_m
     lse = tl.load(LSE + row_stats, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
