@@ -153,3 +153,19 @@ def test_policy_matches_plain_autograd_on_cuda():
             ref = reference[1][name]
             assert float((grad - ref).norm() / ref.norm()) < 2e-2, name
     assert policy.stats()["offload/pinned_gib"] > 0
+
+
+def test_lora_wraps_every_projection_and_freezes_the_base():
+    from offload.config import MemoryConfig
+    from offload.plan import plan_memory
+    from trainer.build import weight_dtype
+    model = lora_model()
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == set(LORA.lora_target_modules)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert all(p.dtype == torch.float32 for name, p in model.named_parameters() if name in trainable)
+    cuda = torch.device("cuda")
+    plan = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(gpu_memory_gib=80),
+                       64, 1, cuda)
+    assert weight_dtype("lora", cuda, plan) == torch.bfloat16

@@ -74,3 +74,22 @@ def test_plan_script_exits_nonzero_before_building_anything():
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "does not fit" in result.stdout and "memory.offload=true" in result.stdout
+
+
+def test_trainer_fails_before_building_the_model(monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+    from conf.validate import ConfigError
+    from model import Llama
+    from trainer.build import build_model
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("the model was built before the memory check")
+
+    monkeypatch.setattr(Llama, "from_config", must_not_build)
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["seq_len=4096", "memory.gpu_memory_gib=0.01"])
+    with pytest.raises(ConfigError, match="does not fit"):
+        build_model(cfg, torch.device("cpu"))
