@@ -124,8 +124,11 @@ class LayerInputStore:
 
     def keep(self, index: int, hidden: torch.Tensor) -> None:
         placement = self.placements[index]
-        payload = {"gpu": lambda: hidden.detach(), "recompute": lambda: None,
-                   "host": lambda: self.engine.to_host(input_key(index), hidden.detach())}[placement]()
+        payload = None                                   # "recompute": nothing kept
+        if placement == "gpu":
+            payload = hidden.detach()
+        elif placement == "host":
+            payload = self.engine.to_host(input_key(index), hidden.detach())
         self.stored[index] = StoredInput(placement, payload, ReplayState.capture(hidden.device))
 
     def replay_state(self, index: int) -> ReplayState:
