@@ -68,19 +68,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         check_cu_seqlens(cu_seqlens, batch, seqlen)
         # Documents index the flattened token axis: fold the batch into one long row.
         q, k, v = (t.reshape(1, batch * seqlen, *t.shape[2:]) for t in (q, k, v))
-    qf = q.float().transpose(1, 2)                                          # [b, Hq, s, D]
-    kf = k.float().transpose(1, 2).repeat_interleave(group, dim=1)           # [b, Hq, s, D]
-    vf = v.float().transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale                   # [b, Hq, s, s]
-    total = qf.shape[2]
-    allowed = torch.ones(total, total, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))             # [b, heads, s, D]
+    mask = None
     if cu_seqlens is not None:
-        doc = document_ids(cu_seqlens, total)
-        allowed = allowed & (doc[:, None] == doc[None, :])
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(1, 2)    # [b, s, Hq, D]
+        doc = document_ids(cu_seqlens, qf.shape[2])
+        mask = doc[:, None] == doc[None, :]
+        if causal:
+            mask = mask.tril()
+    # PyTorch's fused attention in fp32: exact softmax attention without an S x S tensor when unmasked.
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, is_causal=causal and mask is None,
+                                         scale=scale, enable_gqa=group > 1).transpose(1, 2)
     return out.reshape(batch, seqlen, q_heads, head_dim).to(q.dtype)
 
 

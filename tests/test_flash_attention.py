@@ -55,7 +55,9 @@ def _check_against_reference(q, k, v, causal, cu_seqlens=None, grad_out=None, to
     tolerance = tolerance or TOLERANCE[q.dtype]
     for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
         assert actual.shape == expected.shape and actual.dtype == q.dtype, name
-        if expected.abs().max() == 0:  # e.g. dq, dk at S=1: softmax over one key has zero gradient
+        # e.g. dq, dk at S=1: softmax over one key has zero gradient, which the fp32 reference (PyTorch's
+        # fused attention) gives up to rounding noise; unit-scale inputs give real gradients of order 0.1-1.
+        if expected.abs().max() < 1e-6:
             assert actual.abs().max() < 1e-5, name
         else:
             assert _rel_err(actual, expected) < tolerance, (name, _rel_err(actual, expected))
