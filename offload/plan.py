@@ -54,6 +54,8 @@ class Capacity:
     gpu: int
     host: int
     pinnable: int
+    # Where "gpu" memory is: on a CPU run the compute device is the host itself.
+    device_type: str = "cuda"
 
     @classmethod
     def detect(cls, device: torch.device, memory_cfg) -> "Capacity":
@@ -67,7 +69,7 @@ class Capacity:
             gpu = torch.cuda.get_device_properties(device).total_memory
         else:
             gpu = host    # the "device" is the host itself
-        return cls(int(gpu), int(host), int(host * memory_cfg.pinnable_fraction))
+        return cls(int(gpu), int(host), int(host * memory_cfg.pinnable_fraction), device.type)
 
 
 def pinned_size(nbytes: int) -> int:
@@ -124,6 +126,11 @@ class MemoryPlan:
         return (self.gpu_peak <= self.gpu_limit and self.host_peak <= self.capacity.host
                 and self.pinned <= self.capacity.pinnable)
 
+    @property
+    def device_label(self) -> str:
+        """What the "gpu" figures describe: the GPU, or on a CPU run the host acting as the device."""
+        return "GPU" if self.capacity.device_type == "cuda" else f"{self.capacity.device_type} device"
+
     def count(self, placement: str) -> int:
         return 0 if self.placements is None else self.placements.count(placement)
 
@@ -131,7 +138,7 @@ class MemoryPlan:
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, "
                  f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")]
-        for title, items, total, limit in (("GPU", self.gpu, self.gpu_peak, self.gpu_limit),
+        for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")
             lines += [f"    {name:<28s}{size / GIB:8.2f} GiB" for name, size in items.items()]

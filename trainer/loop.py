@@ -61,7 +61,7 @@ def planned_memory(model: torch.nn.Module) -> str:
     plan = getattr(model, "memory_plan", None)
     if plan is None:
         return "none"
-    return (f"GPU peak {plan.gpu_peak / GIB:.2f} of {plan.gpu_limit / GIB:.2f} GiB usable, host peak "
+    return (f"{plan.device_label} peak {plan.gpu_peak / GIB:.2f} of {plan.gpu_limit / GIB:.2f} GiB usable, host peak "
             f"{plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
 
 
