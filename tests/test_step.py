@@ -1,0 +1,51 @@
+"""The step and the schedule: accumulation equals a larger batch; warmup then cosine to the floor."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from data import Batch, DataConfig, RecallTask
+from model import Llama
+from trainer.optim import build_optimizer, build_scheduler, lr_multiplier
+from trainer.step import train_step
+
+OPTIM = SimpleNamespace(lr=1e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.1)
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def test_warmup_is_linear_and_cosine_ends_at_the_floor():
+    assert [lr_multiplier(s, 4, 20, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(12, 4, 20, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_multiplier(20, 4, 20, 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(500, 4, 20, 0.1) == pytest.approx(0.1)
+
+
+def split(batch: Batch, parts: int) -> list[Batch]:
+    rows = batch.input_ids.shape[0] // parts
+    return [Batch(*(t[i * rows:(i + 1) * rows] for t in (batch.input_ids, batch.labels, batch.position_ids)))
+            for i in range(parts)]
+
+
+def trained_weights(micro_batches: list[Batch]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Llama.from_config(TINY)
+    optimizer = build_optimizer(model, OPTIM)
+    result = train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10), grad_clip=0.5,
+                        device=torch.device("cpu"))
+    assert result.applied and result.supervised == sum(b.num_supervised for b in micro_batches)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_accumulated_micro_batches_update_like_one_batch():
+    """The loss is averaged over the step's supervised tokens, so k micro-batches with different numbers of
+    answers give the same clipped update as one batch holding them all."""
+    batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
+    batch.labels[0, :40] = -100          # uneven supervision across the micro-batches
+    whole, accumulated = trained_weights([batch]), trained_weights(split(batch, 2))
+    torch.manual_seed(0)
+    initial = dict(Llama.from_config(TINY).named_parameters())
+    for name, weight in whole.items():
+        assert not torch.equal(weight, initial[name]), f"{name} was not updated"
+        assert torch.allclose(accumulated[name], weight, rtol=0, atol=1e-6), name
