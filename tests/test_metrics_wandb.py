@@ -24,5 +24,7 @@ def test_offline_run_directory_and_resumed_run_id(tmp_path):
 
     train(job_config(tmp_path, "max_steps=3", "logger.wandb.mode=offline", "logger.wandb.tags=[test]"))
     runs = offline_runs(tmp_path)
-    assert len(runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in runs)
+    # Each run directory holds the run's id in its history file's name (the directory name itself gets a
+    # "-1" suffix when the resumed run starts within the same second as the first).
+    assert len(runs) == 2 and all((run / f"run-{run_id}.wandb").is_file() for run in runs)
     assert json.loads((tmp_path / "checkpoints" / "step-3" / "progress.json").read_text())["wandb_run_id"] == run_id
