@@ -1,5 +1,6 @@
 """The step and the schedule: accumulation equals a larger batch; warmup then cosine to the floor."""
 import math
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -49,3 +50,41 @@ def test_accumulated_micro_batches_update_like_one_batch():
     for name, weight in whole.items():
         assert not torch.equal(weight, initial[name]), f"{name} was not updated"
         assert torch.allclose(accumulated[name], weight, rtol=0, atol=1e-6), name
+
+
+def test_accuracy_covers_every_micro_batch():
+    """The step's accuracy is over all its supervised tokens, like its loss, not the last micro-batch's."""
+    batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
+    torch.manual_seed(0)
+    model = Llama.from_config(TINY)
+    with torch.no_grad():
+        predicted = model.lm_head(model(batch.input_ids, position_ids=batch.position_ids)).argmax(-1)
+    supervised = batch.labels != -100
+    batch.labels[:2] = torch.where(supervised[:2], predicted[:2], batch.labels[:2])   # first half: all right
+    expected = float((batch.labels == predicted)[supervised].float().mean())
+    assert 0.4 < expected < 0.9
+    accuracies = []
+    for micro_batches in ([batch], split(batch, 2)):
+        torch.manual_seed(0)
+        model = Llama.from_config(TINY)
+        optimizer = build_optimizer(model, OPTIM)
+        accuracies.append(train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10),
+                                     grad_clip=0.5, device=torch.device("cpu")).accuracy)
+    assert accuracies == [pytest.approx(expected), pytest.approx(expected)]
+
+
+def test_a_micro_batch_output_is_freed_before_the_next_forward():
+    """The last hidden state (B x S x hidden, GiBs at long context) must not stay alive through the
+    next micro-batch's forward and backward, nor through the optimizer step."""
+    batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
+    torch.manual_seed(0)
+    model = Llama.from_config(TINY)
+    optimizer = build_optimizer(model, OPTIM)
+    outputs, alive_at_forward = [], []
+    model.register_forward_pre_hook(lambda module, args: alive_at_forward.append(
+        [ref() is not None for ref in outputs]))
+    model.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    optimizer.register_step_pre_hook(lambda *args: alive_at_forward.append([ref() is not None for ref in outputs]))
+    train_step(model, split(batch, 2), optimizer, build_scheduler(optimizer, OPTIM, 10), grad_clip=0.5,
+               device=torch.device("cpu"))
+    assert alive_at_forward == [[], [False], [False, False]]

@@ -36,14 +36,18 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def supervised_accuracy(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> float | None:
+def supervised_correct(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[int, int] | None:
+    """(correct next-token predictions, supervised tokens) of one micro-batch; None when it has more than
+    MAX_ACCURACY_TOKENS supervised tokens (their logits would not be cheap)."""
     mask = labels != IGNORE_INDEX
     count = int(mask.sum())
-    if count == 0 or count > MAX_ACCURACY_TOKENS:
+    if count > MAX_ACCURACY_TOKENS:
         return None
+    if count == 0:
+        return 0, 0
     with torch.no_grad():
         logits = hidden[mask].float() @ causal_lm(model).lm_head.weight.float().t()
-        return float((logits.argmax(-1) == labels[mask]).float().mean())
+        return int((logits.argmax(-1) == labels[mask]).sum()), count
 
 
 def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
@@ -60,12 +64,13 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
     """Forward/backward every micro-batch, clip, update (skipped when the loss or gradients are not finite).
 
     The loss is the mean over all supervised tokens of the step (not a mean of micro-batch means), so
-    accumulation over k micro-batches equals one batch k times larger.
+    accumulation over k micro-batches equals one batch k times larger; so is the accuracy (None when a
+    micro-batch has too many supervised tokens for it, or the step none).
     """
     optimizer.zero_grad(set_to_none=True)
     supervised = sum(b.num_supervised for b in micro_batches)
     lm = causal_lm(model)
-    total_loss, accuracy = 0.0, None
+    total_loss, correct, counted, measurable = 0.0, 0, 0, True
     for batch in micro_batches:
         batch = batch.to(device)
         with autocast(device):
@@ -73,7 +78,14 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
             loss = lm.loss(hidden, batch.labels, reduction="sum") / max(supervised, 1)
         loss.backward()
         total_loss += float(loss.detach())
-        accuracy = supervised_accuracy(model, hidden.detach(), batch.labels)
+        tally = supervised_correct(model, hidden.detach(), batch.labels)
+        if tally is None:
+            measurable = False
+        else:
+            correct, counted = correct + tally[0], counted + tally[1]
+        # The output (B x S x hidden, GiBs at long context) must not live on through the next micro-batch.
+        del hidden, loss
+    accuracy = correct / counted if measurable and counted else None
     grad_norm = clip_gradients(model, optimizer, grad_clip)
     applied = update_is_finite(total_loss, float(grad_norm))
     if applied:
