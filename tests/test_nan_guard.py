@@ -54,3 +54,10 @@ def test_update_is_finite():
     assert update_is_finite(1.0, 2.0)
     assert not update_is_finite(float("nan"), 2.0)
     assert not update_is_finite(1.0, float("inf"))
+
+
+def test_a_periodic_checkpoint_due_on_a_skipped_step_is_written_at_the_next_good_step(tmp_path, monkeypatch):
+    inject_nan(monkeypatch, {2})
+    train(job_config(tmp_path, "max_steps=4", "checkpoint.every_steps=2"))
+    # step 2 was due but bad: saved at step 3 instead, and the cadence stays on multiples of 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-3", "step-4"]

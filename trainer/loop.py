@@ -76,18 +76,22 @@ def add_memory_engine_sources(metrics_log: MetricsLog, model: torch.nn.Module, d
 
 
 class CheckpointTimer:
-    """When the next periodic checkpoint is due: every `every_steps` steps or `every_minutes` minutes."""
+    """When the next periodic checkpoint is due: every `every_steps` steps or `every_minutes` minutes.
 
-    def __init__(self, every_steps: int, every_minutes: float):
+    A multiple of `every_steps` passed without a save (its step was skipped as NaN/Inf, and periodic saves
+    wait for a good step) keeps the save due until it happens, instead of dropping it until the next multiple.
+    """
+
+    def __init__(self, every_steps: int, every_minutes: float, last_saved_step: int = 0):
         self.every_steps, self.every_seconds = every_steps, every_minutes * 60
-        self.last = time.monotonic()
+        self.last, self.last_step = time.monotonic(), last_saved_step
 
     def due(self, step: int) -> bool:
-        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        by_steps = self.every_steps > 0 and step // self.every_steps > self.last_step // self.every_steps
         return by_steps or (self.every_seconds > 0 and time.monotonic() - self.last >= self.every_seconds)
 
-    def saved(self) -> None:
-        self.last = time.monotonic()
+    def saved(self, step: int) -> None:
+        self.last, self.last_step = time.monotonic(), step
 
 
 def train(cfg) -> dict:
@@ -135,7 +139,7 @@ def train(cfg) -> dict:
         restore(loaded, model, optimizer, scheduler, stream)
 
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
-    timer = CheckpointTimer(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes)
+    timer = CheckpointTimer(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, progress.step)
     last_checkpoint = loaded.path if loaded else None
     bar = ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar)
     record, exit_code = {"step": progress.step}, 1
@@ -171,7 +175,7 @@ def train(cfg) -> dict:
                     last_checkpoint = save_checkpoint(checkpoints, model, optimizer, scheduler, stream,
                                                       progress, config_yaml)
                     prune(checkpoints, cfg.checkpoint.keep_last)
-                    timer.saved()
+                    timer.saved(step)
                     bar.write(f"checkpoint {last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
                 if stopping:
                     bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
