@@ -115,3 +115,22 @@ def test_atomic_directory_leaves_nothing_behind_on_error(tmp_path):
             (temp / "half").write_text("x")
             raise RuntimeError("disk gone")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_full_checkpoint_of_a_tied_model_must_hold_every_weight_but_the_head(tmp_path, monkeypatch):
+    """Tied embeddings save no lm_head; any other weight missing is an error, not a silent init value."""
+    import trainer.resume
+    settings = ("train=full", "model.tie_word_embeddings=true")
+    train(job_config(tmp_path, "max_steps=2", *settings))
+    real_read_newest = trainer.resume.read_newest
+
+    def without_final_norm(root):
+        loaded = real_read_newest(root)
+        assert "lm_head.weight" not in loaded.weights
+        del loaded.weights["model.norm.weight"]
+        return loaded
+    monkeypatch.setattr(trainer.resume, "read_newest", without_final_norm)
+    with pytest.raises(CheckpointError, match=r"missing \['model.norm.weight'\]"):
+        train(job_config(tmp_path, "max_steps=3", *settings))
+    monkeypatch.setattr(trainer.resume, "read_newest", real_read_newest)
+    assert train(job_config(tmp_path, "max_steps=3", *settings))["step"] == 3

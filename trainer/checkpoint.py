@@ -299,7 +299,14 @@ def restore(loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.o
     elif (loaded.path / ADAPTER_DIR).is_dir():
         raise CheckpointError(f"{loaded.path} holds a LoRA adapter but train.mode=full: resume with train=lora")
     else:
-        model.load_state_dict(loaded.weights, strict=not model.config.tie_word_embeddings)
+        # A tied head is saved once, as the embedding (full_weights): it is the only key allowed to be absent.
+        result = model.load_state_dict(loaded.weights, strict=False)
+        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        missing = [key for key in result.missing_keys if key not in tied]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"{loaded.path}: model.safetensors does not fit this model (missing "
+                                  f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}; model.* settings "
+                                  f"differ?)")
         model.tie_weights()
     optimizer.load_state_dict(loaded.optimizer)
     scheduler.load_state_dict(loaded.trainer_state["scheduler"])
