@@ -62,3 +62,25 @@ def test_handlers_are_restored_after_the_loop():
         assert stop.received == signal.SIGTERM
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_previous_handler_installed_outside_python_comes_back_as_the_default(monkeypatch):
+    """signal.signal returns None for a handler a C library installed; leaving must not raise TypeError."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    real_signal, first = signal.signal, set()
+
+    def foreign_previous(signum, handler):
+        previous = real_signal(signum, handler)
+        if signum not in first:
+            first.add(signum)
+            return None
+        return previous
+    monkeypatch.setattr(signal, "signal", foreign_previous)
+    try:
+        with StopSignals():
+            pass
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        real_signal(signal.SIGTERM, before[0])
+        real_signal(signal.SIGINT, before[1])

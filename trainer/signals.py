@@ -42,4 +42,6 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # None: the previous handler was not installed from Python (signal.signal cannot take it back).
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
