@@ -30,3 +30,19 @@ class MemoryConfig:
     pinnable_fraction: float = 0.75
     # Refuse to build the model when the plan does not fit (the error gives the numbers and the fix).
     check: bool = True
+
+
+def check_memory_config(memory_cfg) -> None:
+    """Raise ValueError naming the `memory.*` setting that cannot be planned (before any byte is counted)."""
+    at_least = {"mlp_tile_tokens": 1, "mlp_tiles": 1, "gpu_layers": 0, "recomputed_inputs": 0}
+    for name, low in at_least.items():
+        value = getattr(memory_cfg, name)
+        if value is not None and value < low:
+            unset = "" if name == "mlp_tile_tokens" else " (or null to let the planner choose)"
+            raise ValueError(f"memory.{name}={value} must be at least {low}{unset}")
+    if not 0.0 <= memory_cfg.pinnable_fraction <= 1.0:
+        raise ValueError(f"memory.pinnable_fraction={memory_cfg.pinnable_fraction} must be within [0, 1]")
+    for name in ("gpu_memory_gib", "host_memory_gib"):
+        value = getattr(memory_cfg, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"memory.{name}={value} must be positive (or null to read this machine's)")

@@ -14,8 +14,8 @@ units of one [tokens, hidden] tensor and were calibrated against measured peaks 
 
 `plan_memory` chooses, for the GPU and host it runs on (or the capacities in the config): how many
 layers' inputs stay on the GPU (the first k), how many more are recomputed when the host cannot hold
-the rest, and the MLP tile count. `MemoryPlan.check()` raises with the numbers and the settings that
-would help, so the trainer fails before building the model.
+the rest, and the MLP tile count. `MemoryPlan.failure()` gives the numbers and the settings that would
+help; `trainer.build.build_model` raises with it, so the trainer fails before building the model.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import LlamaConfig
+from offload.config import check_memory_config
 from trainer.full_finetune import layout_memory, layouts_to_try, weights_dtype
 
 GIB = 2**30
@@ -150,10 +151,6 @@ class MemoryPlan:
         return ("the configuration does not fit this machine:\n" + self.describe()
                 + "\nsettings that would help:\n" + "\n".join(f"  - {a}" for a in self.advice))
 
-    def check(self) -> None:
-        if not self.fits:
-            raise MemoryError(self.failure())
-
 
 @dataclass
 class Shape:
@@ -188,23 +185,30 @@ def _mlp_tiles(tokens: int, memory_cfg) -> int:
     return max(1, math.ceil(tokens / memory_cfg.mlp_tile_tokens))
 
 
+def _recomputable(layers: int, on_gpu: int) -> range:
+    """Layers whose input may be recomputed, from the top: every other one above the GPU-kept ones (each
+    needs the layer below kept), never layer 0."""
+    return range(layers - 1, on_gpu, -2)
+
+
 def _placements(layers: int, on_gpu: int, recomputed: int) -> list[str]:
-    """First `on_gpu` layers on the GPU; `recomputed` layers from the top, every other one (each needs
-    the layer below kept); the rest on the host."""
+    """First `on_gpu` layers on the GPU; `recomputed` layers from the top, every other one; the rest on
+    the host."""
     placements = ["gpu"] * on_gpu + ["host"] * (layers - on_gpu)
-    for index in range(layers - 1, on_gpu, -2)[:recomputed]:
+    for index in _recomputable(layers, on_gpu)[:recomputed]:
         placements[index] = "recompute"
     return placements
 
 
 def max_recomputed(layers: int, on_gpu: int) -> int:
-    return (layers - on_gpu) // 2 if on_gpu else (layers - 1) // 2
+    return len(_recomputable(layers, on_gpu))
 
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True) -> MemoryPlan:
     """The policy for this config on this machine (or `capacity`), with its predicted peaks. Full
     fine-tuning takes the first state layout of train.full_state that fits (trainer.full_finetune)."""
+    check_memory_config(memory_cfg)
     capacity = capacity or Capacity.detect(device, memory_cfg)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
     for layout in layouts:
@@ -267,7 +271,8 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     if memory_cfg.recomputed_inputs is not None:
         tips.append("memory.recomputed_inputs=null (let the planner recompute inputs the host cannot hold)")
     if plan.mlp_tiles * 4096 < seq_len * batch_size:
-        tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)")
+        tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)" if memory_cfg.mlp_tiles is None else
+                    "memory.mlp_tiles=null memory.mlp_tile_tokens=4096 (smaller MLP tiles; mlp_tiles overrides)")
     fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity)
     if fitting:
         tips.append(f"seq_len={fitting} (the longest that fits with these settings)" if batch_size == 1 else

@@ -1,17 +1,18 @@
 """The memory policy: per-layer checkpointing with offloaded layer inputs, and sequence-tiled MLPs.
 
-`apply_memory_policy(model, plan)` replaces `LlamaModel.run_layer` on the instance (the model code knows
-nothing of this) and the MLPs' `forward`. Per decoder layer, only its input survives the forward; it is
-kept on the GPU, copied to pinned host memory on a side stream while the next layer computes, or not kept
-at all and recomputed from the previous layer's input ("gpu" / "host" / "recompute" placements). The
-backward of layer i starts the host-to-GPU copy of the input needed next, recomputes layer i with grad
-and back-propagates through it; LoRA parameters accumulate their gradients there, as in reentrant
-checkpointing.
+`apply_memory_policy(model, placements, mlp_tiles, device)` replaces `LlamaModel.run_layer` on the instance
+(the model code knows nothing of this) and the MLPs' `forward`. Per decoder layer, only its input survives
+the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the next layer
+computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" / "recompute"
+placements). The
+backward of layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
+layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
+reentrant checkpointing.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -87,7 +88,8 @@ class TokenTiled(torch.autograd.Function):
 
 
 class TiledForward:
-    """Replacement `forward` of a per-token module (the MLP): tiles when grad is on and tiles > 1."""
+    """Replacement `forward` of a per-token module (the MLP), installed when tiles > 1: always tiled, so a
+    no-grad forward also has one tile's intermediates at a time."""
 
     def __init__(self, forward, tiles: int, anchor: torch.Tensor):
         self.forward, self.tiles, self.anchor = forward, tiles, anchor
@@ -101,11 +103,16 @@ def input_key(index: int) -> tuple[str, int]:
     return ("layer_input", index)
 
 
-@dataclass
+@dataclass(eq=False)
 class StoredInput:
     placement: str
     payload: torch.Tensor | HostCopy | PendingTensor | None
     replay: ReplayState
+    # "recompute": the token of the layer below's record, kept by the same forward, this input is rebuilt from.
+    below: object | None = None
+    # Identifies this forward's record to its backward. The autograd node holds only this token, never the
+    # record: a node outlives its backward (until the loss is freed) and would keep the payload alive.
+    token: object = field(default_factory=object)
 
 
 class LayerInputStore:
@@ -122,14 +129,32 @@ class LayerInputStore:
         self.placements, self.engine = placements, engine
         self.stored: dict[int, StoredInput] = {}
 
-    def keep(self, index: int, hidden: torch.Tensor) -> None:
+    def keep(self, index: int, hidden: torch.Tensor) -> object:
+        """Keep layer `index`'s input (replacing what an earlier forward kept for it); returns the token its
+        backward gives `check_owner`."""
         placement = self.placements[index]
         payload = None                                   # "recompute": nothing kept
         if placement == "gpu":
             payload = hidden.detach()
         elif placement == "host":
             payload = self.engine.to_host(input_key(index), hidden.detach())
-        self.stored[index] = StoredInput(placement, payload, ReplayState.capture(hidden.device))
+        below = self.stored[index - 1].token if placement == "recompute" else None
+        record = StoredInput(placement, payload, ReplayState.capture(hidden.device), below)
+        self.stored[index] = record
+        return record.token
+
+    def check_owner(self, index: int, token: object) -> None:
+        """Refuse a backward whose kept input (or the one it is rebuilt from) is no longer its forward's: the
+        store holds one input per layer, so a second forward with grad replaces the first's, and a backward
+        releases them (silently wrong gradients otherwise)."""
+        record, below = self.stored.get(index), self.stored.get(index - 1)
+        if record is None or record.token is not token or (
+                record.below is not None and (below is None or below.token is not record.below)):
+            raise RuntimeError(
+                f"layer {index}'s kept input is gone: the memory policy keeps one forward's layer inputs, so each "
+                "forward with grad needs its own backward before the next forward with grad, and only one "
+                "backward (no retain_graph). Run backward after each forward (gradient accumulation), run the "
+                "other forwards under torch.no_grad(), or set memory.checkpoint=false.")
 
     def replay_state(self, index: int) -> ReplayState:
         return self.stored[index].replay
@@ -165,12 +190,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, hidden, policy, index, rope, cu_seqlens):
         ctx.policy, ctx.index, ctx.rope, ctx.cu_seqlens = policy, index, rope, cu_seqlens
-        policy.store.keep(index, hidden)
+        ctx.token = policy.store.keep(index, hidden)
         return policy.layers[index](hidden, rope, cu_seqlens)
 
     @staticmethod
     def backward(ctx, grad_out):
         policy, index = ctx.policy, ctx.index
+        policy.store.check_owner(index, ctx.token)
         replay = policy.store.replay_state(index)
         want_input_grad = ctx.needs_input_grad[1]
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
@@ -228,8 +254,8 @@ class MemoryPolicy:
     def layer_input(self, index: int, rope, cu_seqlens) -> torch.Tensor:
         """Layer `index`'s input for its backward: fetched, or rebuilt by re-running the layer below."""
         source = self.store.source(index)
-        self.store.prefetch_below(source)
-        hidden = self.store.take(source)
+        hidden = self.store.take(source)        # its copy first: the compute stream waits for it alone
+        self.store.prefetch_below(source)       # then the next one, overlapping this layer's backward
         if source == index:
             return hidden
         with torch.no_grad(), self.store.replay_state(source).replay():

@@ -131,6 +131,73 @@ def test_pinned_pool_is_allocated_once():
     assert stats["offload/d2h_gib"] == stats["offload/h2d_gib"] > 0
 
 
+def test_second_forward_before_backward_is_refused():
+    """The store keeps one input per layer: a second forward with grad replaces the first's, so backward
+    through the first graph (or a second backward of one graph) must fail, not return wrong gradients."""
+    model = lora_model()
+    input_ids, labels = batch()
+    lm = model.get_base_model()
+    apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 1, torch.device("cpu"))
+    first = lm.loss(model(input_ids), labels)
+    second = lm.loss(model(input_ids.flip(0)), labels.flip(0))
+    with pytest.raises(RuntimeError, match="kept input is gone"):
+        (first + second).backward()
+    loss = lm.loss(model(input_ids), labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="kept input is gone"):
+        loss.backward()
+
+
+def test_a_forward_without_backward_leaves_the_next_step_exact():
+    model = lora_model()
+    input_ids, labels = batch()
+    reference = loss_and_grads(model, input_ids, labels)
+    apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"))
+    model.get_base_model().loss(model(input_ids.flip(0)), labels.flip(0))      # with grad, never backpropagated
+    assert_same(reference, loss_and_grads(model, input_ids, labels))
+
+
+def test_kept_inputs_are_freed_by_the_backward_not_with_the_graph():
+    """Nothing but the store may hold a kept input: the autograd graph lives until the loss is freed."""
+    import gc
+    import weakref
+    model = lora_model()
+    input_ids, labels = batch()
+    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 1, torch.device("cpu"))
+    fetched, to_device = [], policy.engine.to_device
+
+    def recording(stored):
+        pending = to_device(stored)
+        fetched.append(weakref.ref(pending.tensor))
+        return pending
+
+    policy.engine.to_device = recording
+    loss = model.get_base_model().loss(model(input_ids), labels)
+    kept = [weakref.ref(policy.store.stored[0].payload)]
+    loss.backward()
+    gc.collect()
+    assert len(fetched) == 2 and all(ref() is None for ref in kept + fetched), "the graph (alive) holds an input"
+    del loss
+
+
+def test_backward_fetches_its_own_input_before_prefetching_the_next():
+    """The compute stream waits on the copy of the input it needs now, which must not queue behind the
+    prefetch of the layer below (the first backward would wait for both)."""
+    model = lora_model()
+    input_ids, labels = batch()
+    policy = apply_memory_policy(model, ["host"] * 4, 1, torch.device("cpu"))
+    copied, to_device = [], policy.engine.to_device
+
+    def recording(stored):
+        copied.append(stored.host.data_ptr())
+        return to_device(stored)
+
+    policy.engine.to_device = recording
+    loss_and_grads(model, input_ids, labels)
+    layer_of = {buffer.data_ptr(): key[1] for key, buffer in policy.engine.pool.buffers.items()}
+    assert [layer_of[pointer] for pointer in copied] == [3, 2, 1, 0]
+
+
 @pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"]])
 def test_invalid_placements_are_refused(placements):
     with pytest.raises(ValueError):

@@ -93,3 +93,39 @@ def test_trainer_fails_before_building_the_model(monkeypatch):
         cfg = compose("config", overrides=["seq_len=4096", "memory.gpu_memory_gib=0.01"])
     with pytest.raises(ConfigError, match="does not fit"):
         build_model(cfg, torch.device("cpu"))
+
+
+def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
+    """Layer 1 can be rebuilt from layer 0's host copy: 16 of 32 layers, as with inputs on the GPU."""
+    from offload.policy import LayerInputStore
+    from offload.engine import CopyEngine
+    placements = plan(524288, MemoryConfig(gpu_layers=0, recomputed_inputs=32)).placements
+    assert placements.count("recompute") == 16 and placements.count("gpu") == 0
+    LayerInputStore(placements, CopyEngine(torch.device("cpu")))       # a valid layout
+
+
+@pytest.mark.parametrize("setting, value", [("gpu_layers", -1), ("recomputed_inputs", -1), ("mlp_tile_tokens", 0),
+                                            ("mlp_tiles", 0), ("pinnable_fraction", 1.5),
+                                            ("host_memory_gib", 0)])
+def test_unplannable_memory_settings_name_the_setting(setting, value):
+    with pytest.raises(ValueError, match=f"memory.{setting}={value}"):
+        plan(32768, MemoryConfig(**{setting: value}))
+
+
+def test_tile_advice_unsets_an_explicit_tile_count():
+    failing = plan(524288, MemoryConfig(offload=False, mlp_tiles=2))
+    assert "memory.mlp_tiles=null memory.mlp_tile_tokens=4096" in failing.failure()
+
+
+def test_trainer_names_an_unplannable_memory_setting():
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+    from conf.validate import ConfigError
+    from trainer.build import build_model
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["seq_len=256", "memory.gpu_layers=-1"])
+    with pytest.raises(ConfigError, match="memory.gpu_layers=-1 must be at least 0"):
+        build_model(cfg, torch.device("cpu"))

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
+from offload.config import check_memory_config
 from offload.plan import MemoryPlan, plan_memory
 from offload.policy import apply_memory_policy
 from trainer.full_finetune import weights_dtype
@@ -41,7 +42,13 @@ def model_architecture(cfg) -> LlamaConfig:
 
 
 def plan_for(cfg, device: torch.device) -> MemoryPlan:
-    return plan_memory(model_architecture(cfg), cfg.train, cfg.memory, cfg.seq_len, cfg.batch_size, device)
+    """The memory plan of `cfg` on `device`; an unplannable `memory.*` setting is a ConfigError."""
+    arch = model_architecture(cfg)
+    try:
+        check_memory_config(cfg.memory)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    return plan_memory(arch, cfg.train, cfg.memory, cfg.seq_len, cfg.batch_size, device)
 
 
 def build_model(cfg, device: torch.device) -> torch.nn.Module:
