@@ -92,6 +92,40 @@ def test_accumulated_micro_batches_equal_one_large_batch():
     assert_same_parameters(split, whole)
 
 
+@pytest.mark.parametrize("grads_on_host", [True, False])
+def test_tied_embeddings_and_a_parameter_without_gradient_match_torch_adamw(grads_on_host):
+    """The tied embedding/head gets one update from both uses; a parameter outside the graph gets none
+    (no state, no weight decay, no step count), as torch AdamW skips a parameter whose grad is None."""
+    reference, model = (tiny_model(tiles=2, num_hidden_layers=2, tie_word_embeddings=True) for _ in range(2))
+    for m in (reference, model):
+        m.unused = torch.nn.Parameter(torch.ones(4, 4))
+    expected = run_steps(reference, build_optimizer(reference, OPTIM), steps=2)
+    optimizer = streamed(model, grads_on_host)
+    measured = run_steps(model, optimizer, steps=2)
+    assert [r.grad_norm for r in measured] == pytest.approx([r.grad_norm for r in expected], rel=1e-5)
+    assert_same_parameters(model, reference)
+    assert torch.equal(model.unused, torch.ones(4, 4)) and model.unused not in optimizer.state
+    assert int(optimizer.state[model.lm_head.weight]["step"]) == 2
+
+
+@pytest.mark.parametrize("grads_on_host", [True, False])
+def test_a_skipped_step_leaves_no_gradient_behind(grads_on_host):
+    """A NaN step is not applied, and the next step sees only its own gradients: the same weights and
+    norm as a run that never had the bad step."""
+    poisoned, clean = tiny_model(tiles=1, num_hidden_layers=2), tiny_model(tiles=1, num_hidden_layers=2)
+    poisoned_opt, clean_opt = streamed(poisoned, grads_on_host), streamed(clean, grads_on_host)
+    run_steps(poisoned, poisoned_opt, steps=1)
+    run_steps(clean, clean_opt, steps=1)
+    hook = poisoned.model.layers[0].register_forward_hook(lambda module, args, output: output * float("nan"))
+    bad = run_steps(poisoned, poisoned_opt, steps=1)[0]
+    hook.remove()
+    assert not bad.applied
+    assert_same_parameters(poisoned, clean, atol=0)
+    after_poisoned, after_clean = run_steps(poisoned, poisoned_opt, steps=2)[1], run_steps(clean, clean_opt, steps=2)[1]
+    assert after_poisoned.applied and after_poisoned.grad_norm == after_clean.grad_norm
+    assert_same_parameters(poisoned, clean, atol=0)
+
+
 def test_units_are_decoder_layers_in_forward_order():
     model = tiny_model()
     units = update_units(model)

@@ -36,9 +36,6 @@ from torch import nn
 import kernels
 
 LAYOUTS = ("fp32", "bf16", "bf16_host_grads")
-# GPU and pinned-host bytes per trainable parameter of each layout.
-GPU_BYTES = {"fp32": 16, "bf16": 8, "bf16_host_grads": 6}
-HOST_BYTES = {"fp32": 0, "bf16": 0, "bf16_host_grads": 2}
 # Host views start on this boundary, so every copy is aligned for the DMA engine.
 ALIGNMENT = 64
 
