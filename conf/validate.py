@@ -8,6 +8,7 @@ import torch
 import data
 import kernels
 from trainer import full_finetune
+from trainer.wandb_run import MODES as WANDB_MODES
 
 DEVICES = ("auto", "cuda", "cpu")
 TRAIN_MODES = ("lora", "full")
@@ -62,9 +63,6 @@ def validate(cfg) -> None:
         data.check_data_config(cfg.data, cfg.seq_len, cfg.model.vocab_size, tokenizer_path=cfg.model.path)
     except ValueError as error:
         raise ConfigError(str(error)) from error
-
-
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def validate_job_settings(cfg) -> None:
