@@ -82,3 +82,16 @@ def test_resume_from_a_given_checkpoint_into_a_new_run_dir(tmp_path):
 def test_missing_resume_path_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="is not a directory"):
         train(job_config(tmp_path, f"resume={tmp_path}/nowhere/step-3"))
+
+
+def test_offload_buffers_are_pinned_before_the_first_step(tmp_path, monkeypatch):
+    """Pinning is slow (~0.6 s/GiB); the loop does it up front so step 1's time is a real step's."""
+    import offload.policy
+    events = []
+    pin = offload.policy.MemoryPolicy.pin_buffers
+    step = trainer.loop.train_step
+    monkeypatch.setattr(offload.policy.MemoryPolicy, "pin_buffers",
+                        lambda self, *args: (events.append(("pin", args)), pin(self, *args))[1])
+    monkeypatch.setattr(trainer.loop, "train_step", lambda *args: (events.append(("step",)), step(*args))[1])
+    train(job_config(tmp_path, "max_steps=2", "memory.gpu_layers=0"))
+    assert events[0] == ("pin", (2, 128, torch.float32)) and events[1:] == [("step",), ("step",)]
