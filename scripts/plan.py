@@ -1,7 +1,8 @@
 """Print the memory plan of a config: `python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
 
 Plans for the GPU and host of this machine; elsewhere give the target's capacities, e.g.
-`memory.gpu_memory_gib=79.2 memory.host_memory_gib=125`. Exits 1 when the plan does not fit.
+`memory.gpu_memory_gib=79.2 memory.host_memory_gib=125`. Exits 1 when the plan does not fit, 2 when it
+cannot be made (the message names the setting to give).
 """
 import sys
 from pathlib import Path
@@ -20,7 +21,11 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg) -> None:
     device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
-    plan = plan_for(cfg, device)
+    try:
+        plan = plan_for(cfg, device)
+    except ValueError as error:   # bad settings, or no GPU to read capacities from
+        print(f"cannot plan: {error}", file=sys.stderr)
+        sys.exit(2)
     print(plan.describe() if plan.fits else plan.failure())
     if plan.placements is not None:
         print("placements:", " ".join(p[0] for p in plan.placements), "(g=gpu h=host r=recomputed)")

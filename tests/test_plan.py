@@ -76,6 +76,16 @@ def test_plan_script_exits_nonzero_before_building_anything():
     assert "does not fit" in result.stdout and "memory.offload=true" in result.stdout
 
 
+def test_plan_script_without_capacities_or_gpu_says_what_to_give():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: its capacity is read")
+    command = [sys.executable, str(ROOT / "scripts/plan.py"), "model=llama3_8b", "seq_len=65536",
+               "hydra.run.dir=/tmp/plan-test", "hydra.output_subdir=null"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "give memory.gpu_memory_gib" in result.stderr
+
+
 def test_trainer_fails_before_building_the_model(monkeypatch):
     from hydra import compose, initialize_config_dir
 
