@@ -64,3 +64,17 @@ def test_cuda_device_without_gpu_is_rejected():
         pytest.skip("a GPU is present")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         validate(make_config("device=cuda"))
+
+
+def test_train_py_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path):
+    """A user's mistake gets its message and the fix, not a traceback, and nothing is built or written."""
+    import subprocess
+    import sys
+    repo = Path(CONF_DIR).parent
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", "max_steps=3", f"output_dir={run_dir}",
+                             "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert result.returncode == 2
+    assert "optim.warmup_steps=30 must be below max_steps=3" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (run_dir / "checkpoints").exists()
