@@ -95,3 +95,25 @@ def test_offload_buffers_are_pinned_before_the_first_step(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer.loop, "train_step", lambda *args: (events.append(("step",)), step(*args))[1])
     train(job_config(tmp_path, "max_steps=2", "memory.gpu_layers=0"))
     assert events[0] == ("pin", (2, 128, torch.float32)) and events[1:] == [("step",), ("step",)]
+
+
+def test_a_resumed_checkpoint_is_released_before_training(tmp_path, monkeypatch):
+    """The loaded copy of weights and optimizer state (tens of GiB for 8B) must not live through the run."""
+    import gc
+    import weakref
+    train(job_config(tmp_path, "max_steps=2"))
+    loaded_weight, restore, step = [], trainer.loop.restore, trainer.loop.train_step
+
+    def restore_and_watch(loaded, *args):
+        loaded_weight.append(weakref.ref(next(iter(loaded.weights.values()))))
+        return restore(loaded, *args)
+
+    def step_after_release(*args):
+        gc.collect()
+        assert loaded_weight and loaded_weight[0]() is None, "the loaded checkpoint is still referenced"
+        return step(*args)
+
+    monkeypatch.setattr(trainer.loop, "restore", restore_and_watch)
+    monkeypatch.setattr(trainer.loop, "train_step", step_after_release)
+    train(job_config(tmp_path, "max_steps=3"))
+    assert records(tmp_path)[-1]["step"] == 3

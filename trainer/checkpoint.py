@@ -271,8 +271,10 @@ def read_checkpoint(path: Path) -> LoadedCheckpoint:
             path=path, progress=Progress(**{k: v for k, v in json.loads((path / PROGRESS_FILE).read_text()).items()
                                             if k in Progress.__dataclass_fields__}),
             config_yaml=(path / CONFIG_FILE).read_text(), weights=weights,
-            optimizer=torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
-            trainer_state=torch.load(path / STATE_FILE, map_location="cpu", weights_only=True))
+            # Memory-mapped: a full 8B run's optimizer state is ~30 GiB, which should not need to fit in host
+            # RAM beside the offload engine's pinned buffers; pages are read as restore copies them.
+            optimizer=torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True),
+            trainer_state=torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True))
     except Exception as error:  # any unreadable part makes the whole checkpoint unusable
         raise CheckpointError(f"checkpoint {path} is corrupt: {type(error).__name__}: {error}") from error
 

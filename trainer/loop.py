@@ -144,6 +144,7 @@ def train(cfg) -> dict:
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
     timer = CheckpointTimer(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, progress.step)
     last_checkpoint = loaded.path if loaded else None
+    del loaded      # applied: free its copy of the weights and optimizer state before training
     bar = ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar)
     record, exit_code = {"step": progress.step}, 1
     try:
