@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from model import unwrap_llama
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
 PLACEMENTS = ("gpu", "host", "recompute")
@@ -268,8 +269,7 @@ class MemoryPolicy:
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The LlamaModel inside a Llama, possibly wrapped by peft."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.model
+    return unwrap_llama(model).model
 
 
 def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,

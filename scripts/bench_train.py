@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-GIB = 2**30
+from offload.plan import GIB  # noqa: E402
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -49,6 +49,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
 
     import kernels
     from conf.schema import register_configs
+    from model import unwrap_llama
     from trainer.build import build_model
     from trainer.optim import build_optimizer
     from trainer.step import clip_gradients
@@ -61,7 +62,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     device = torch.device("cuda")
     model = build_model(cfg, device)
     optimizer = build_optimizer(model, cfg.optim)
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = unwrap_llama(model)
 
     def step(input_ids, labels):
         optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F4
 from model import Llama
 from scripts.export import ExportError, export
 from trainer.loop import train
-from trainer.step import causal_lm
+from model import unwrap_llama
 
 TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
 # A high learning rate so a few steps move the adapters visibly away from the base.
@@ -21,7 +21,7 @@ TRAIN = ["max_steps=3", "optim.lr=1e-2"]
 
 def our_logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return model(TOKENS) @ causal_lm(model).lm_head.weight.t()
+        return model(TOKENS) @ unwrap_llama(model).lm_head.weight.t()
 
 
 def hf_logits(directory) -> torch.Tensor:

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from model import unwrap_llama
+
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
@@ -169,7 +171,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our Llama's weights under Hugging Face names, without a tied head (safetensors stores each tensor
     once). For a peft model: the frozen base, without the adapters."""
     lora = is_lora(model)
-    llama = model.get_base_model() if lora else model
+    llama = unwrap_llama(model)
     weights = {}
     for name, tensor in llama.state_dict().items():
         if lora and "lora_" in name:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import kernels
+from model import unwrap_llama
 
 LAYOUTS = ("fp32", "bf16", "bf16_host_grads")
 # Host views start on this boundary, so every copy is aligned for the DMA engine.
@@ -63,7 +64,7 @@ def layout_memory(layout: str, params: int) -> tuple[dict[str, int], dict[str, i
 def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
     """Trainable parameters grouped by decoder layer (a layer's gradients are complete together in the
     backward), in forward order; every other parameter is a unit of its own. Tied tensors appear once."""
-    llama = model.get_base_model() if hasattr(model, "get_base_model") else model
+    llama = unwrap_llama(model)
     layer_of = {id(p): i for i, layer in enumerate(llama.model.layers) for p in layer.parameters()}
     units, layer_units, seen = [], {}, set()
     for param in model.parameters():

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import kernels
 from conf.validate import resolve_device, validate
 from data import build_data
+from model import unwrap_llama
 from trainer.build import build_model, count_parameters
 from trainer.checkpoint import (BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint,
                                 save_hf_model)
@@ -30,7 +31,7 @@ from trainer.metrics import (GIB, MetricsLog, memory_metrics, model_flops_utiliz
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import checkpoint_to_resume
 from trainer.signals import StopSignals
-from trainer.step import causal_lm, train_step
+from trainer.step import train_step
 from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def train(cfg) -> dict:
 
     model = build_model(cfg, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
-    embedding = causal_lm(model).model.embed_tokens.weight
+    embedding = unwrap_llama(model).model.embed_tokens.weight
     model.memory_policy.pin_buffers(cfg.batch_size, cfg.seq_len, embedding.dtype)
     stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
                         tokenizer_path=cfg.model.path)

@@ -16,8 +16,9 @@ from typing import Callable
 import psutil
 import torch
 
+from offload.plan import GIB
+
 METRICS_FILE = "metrics.jsonl"
-GIB = 2 ** 30
 MetricSource = Callable[[], dict]
 
 

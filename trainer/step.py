@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from data import IGNORE_INDEX, Batch
+from model import unwrap_llama
 from trainer.guard import update_is_finite
 
 # Accuracy is logged only when the supervised tokens are few enough that their logits are cheap.
@@ -31,11 +32,6 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def supervised_correct(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[int, int] | None:
     """(correct next-token predictions, supervised tokens) of one micro-batch; None when it has more than
     MAX_ACCURACY_TOKENS supervised tokens (their logits would not be cheap)."""
@@ -46,7 +42,7 @@ def supervised_correct(model: torch.nn.Module, hidden: torch.Tensor, labels: tor
     if count == 0:
         return 0, 0
     with torch.no_grad():
-        logits = hidden[mask].float() @ causal_lm(model).lm_head.weight.float().t()
+        logits = hidden[mask].float() @ unwrap_llama(model).lm_head.weight.float().t()
         return int((logits.argmax(-1) == labels[mask]).sum()), count
 
 
@@ -69,7 +65,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
     """
     optimizer.zero_grad(set_to_none=True)
     supervised = sum(b.num_supervised for b in micro_batches)
-    lm = causal_lm(model)
+    lm = unwrap_llama(model)
     total_loss, correct, counted, measurable = 0.0, 0, 0, True
     for batch in micro_batches:
         batch = batch.to(device)
