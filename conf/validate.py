@@ -38,6 +38,10 @@ def validate(cfg) -> None:
             raise ConfigError(f"{name}={value} must be at least 1")
     if cfg.kernels not in kernels.BACKENDS:
         raise ConfigError(f"kernels={cfg.kernels!r} is not one of {kernels.BACKENDS}")
+    try:
+        kernels.check_available(cfg.kernels)
+    except RuntimeError as error:
+        raise ConfigError(str(error)) from error
     resolve_device(cfg.device)
     if cfg.optim.warmup_steps >= cfg.max_steps:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be below max_steps={cfg.max_steps}: "

@@ -33,11 +33,16 @@ def set_backend(name: str) -> None:
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
+    check_available(name)
+    _backend = name
+
+
+def check_available(name: str) -> None:
+    """RuntimeError when backend `name` cannot run on this machine (Triton without CUDA or interpreter)."""
     if name == "triton" and not (torch.cuda.is_available() or interpreting()):
         raise RuntimeError(
             "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
             "use kernels=auto or kernels=reference on this machine")
-    _backend = name
 
 
 def get_backend() -> str:

@@ -58,6 +58,15 @@ def test_invalid_combinations_name_the_fix(override, message):
         validate(make_config(override))
 
 
+def test_triton_kernels_without_gpu_are_rejected_before_building(monkeypatch):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="kernels=triton needs a CUDA GPU"):
+        validate(make_config("kernels=triton"))
+
+
 def test_cuda_device_without_gpu_is_rejected():
     import torch
     if torch.cuda.is_available():
