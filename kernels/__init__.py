@@ -1,6 +1,7 @@
 """The ops the model calls, dispatched to Triton kernels on CUDA and to `kernels.reference` elsewhere.
 
-Backends: "auto" (Triton where the tensor is on CUDA and a kernel exists, else the reference),
+Backends: "auto" (Triton where the tensor is on CUDA and a kernel exists for it, e.g. attention only for
+head dims 64 and 128, else the reference),
 "triton" (Triton or a clear error), "reference" (always the plain PyTorch ops). `TRITON_INTERPRET=1`
 lets "triton" run the kernels on CPU tensors through Triton's interpreter (tests do this).
 
@@ -75,7 +76,14 @@ def layer_norm(x, weight, bias, eps):
 
 
 def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
-    return _pick("attention", q)(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+    op = _pick("attention", q)
+    if _backend == "auto" and op is not reference.attention and not _triton_supports_attention(q):
+        op = reference.attention     # e.g. the tiny model's head dim 16 on a GPU
+    return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+
+
+def _triton_supports_attention(q) -> bool:
+    return importlib.import_module("kernels.flash_attention").supports(q)
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

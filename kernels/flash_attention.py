@@ -10,6 +10,9 @@ S x S matrix exists anywhere. Per query block the kernels visit only the key til
 split in three runs: masked tiles where documents begin, unmasked tiles, masked tiles on the causal
 diagonal / document end. A pack of short documents so costs about what the documents cost alone.
 
+Under a recording `kernels.attention_tape.AttentionTape` the forward also hands (out, lse) to the tape;
+under a replaying one it returns the taped output without running the forward kernel (checkpointing).
+
 Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key block that loops over
 the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
 per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import attention_tape
 from kernels.reference import check_cu_seqlens
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -403,8 +407,32 @@ def _ensure_allocator(device: torch.device) -> None:
         triton.set_allocator(_scratch)
 
 
+# Longer sequences use the configs tuned at this length: tuning runs every candidate several times, which
+# takes minutes at 524k tokens (a 524k attention forward alone takes seconds), and the best tile shapes
+# stop changing with length well before it.
+TUNE_MAX_SEQLEN = 131072
+_tuned_on_prefix: set[tuple] = set()
+
+
 def _seq_bucket(seqlen: int) -> int:
-    return triton.next_power_of_2(seqlen)
+    return min(triton.next_power_of_2(seqlen), TUNE_MAX_SEQLEN)
+
+
+def _needs_prefix_tuning(seqlen: int, key: tuple) -> bool:
+    """Whether a call at `seqlen` should first tune on a TUNE_MAX_SEQLEN prefix (once per kernel key)."""
+    return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not _interpreting()
+
+
+def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, key: tuple) -> None:
+    """Run the forward and backward once on the first TUNE_MAX_SEQLEN tokens, so the autotuner picks the
+    configs of this key there (seconds) and the long call reuses them. The backward is tuned here too,
+    where memory is low, rather than in the first backward, where a long sequence's step peaks."""
+    n = TUNE_MAX_SEQLEN
+    bounds = (doc_start[:n], doc_end[:n].clamp(max=n)) if doc_start is not None else (None, None)
+    q, k, v = q[:, :n], k[:, :n], v[:, :n]
+    out, lse = _attention_forward(q, k, v, *bounds, causal, sm_scale)
+    _attention_backward(out, q, k, v, out, lse, *bounds, causal, sm_scale)   # any dO will do: out
+    _tuned_on_prefix.add(key)
 
 
 def _document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -507,7 +535,15 @@ class FlashAttentionFunction(torch.autograd.Function):
             check_cu_seqlens(cu_seqlens, batch, seqlen)
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
             doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
-        out, lse = _attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale)
+        tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None)
+        if _needs_prefix_tuning(q.shape[1], tuning_key):
+            _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, tuning_key)
+        saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
+        if saved is None:
+            out, lse = _attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale)
+            attention_tape.record(out, lse)
+        else:
+            out, lse = saved
         ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)
         ctx.causal, ctx.sm_scale, ctx.batch_shape = causal, sm_scale, (batch, seqlen)
         return out.view(batch, seqlen, *out.shape[2:])
@@ -522,6 +558,11 @@ class FlashAttentionFunction(torch.autograd.Function):
         batch, seqlen = ctx.batch_shape
         return (dq.view(batch, seqlen, *dq.shape[2:]), dk.view(batch, seqlen, *dk.shape[2:]),
                 dv.view(batch, seqlen, *dv.shape[2:]), None, None, None)
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether the kernels handle this query's head dim and dtype (kernels.attention falls back otherwise)."""
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

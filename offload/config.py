@@ -18,6 +18,10 @@ class MemoryConfig:
     # input (one extra layer forward each). Needed when host memory cannot hold every input (524k tokens
     # on a 128 GiB host). None: as few as the planner needs.
     recomputed_inputs: Optional[int] = None
+    # Layers whose attention output and log-sum-exp are kept from the forward (on the GPU where room is
+    # left, else in pinned host memory), so the backward's recomputation skips the attention forward (~15%
+    # of a 131k-token step). One more [tokens, hidden] tensor per layer. None: as many as fit; 0: none.
+    kept_attention_layers: Optional[int] = None
     # The MLP runs in sequence tiles of this many tokens (recomputed per tile in the backward), so its
     # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
     mlp_tile_tokens: int = 16384
@@ -34,7 +38,8 @@ class MemoryConfig:
 
 def check_memory_config(memory_cfg) -> None:
     """Raise ValueError naming the `memory.*` setting that cannot be planned (before any byte is counted)."""
-    at_least = {"mlp_tile_tokens": 1, "mlp_tiles": 1, "gpu_layers": 0, "recomputed_inputs": 0}
+    at_least = {"mlp_tile_tokens": 1, "mlp_tiles": 1, "gpu_layers": 0, "recomputed_inputs": 0,
+                "kept_attention_layers": 0}
     for name, low in at_least.items():
         value = getattr(memory_cfg, name)
         if value is not None and value < low:

@@ -3,8 +3,8 @@
 Everything is counted in bytes from the architecture and the config, before any model exists:
 
   GPU  = weights + trainable state (params, grads, AdamW moments) + RoPE tables
-         + layer inputs kept on the GPU + the largest transient of the step
-  host = process baseline + pinned layer inputs
+         + layer inputs and attention outputs kept on the GPU + the largest transient of the step
+  host = process baseline + pinned layer inputs and attention outputs
 
 The transient is the larger of a decoder layer's backward (recomputed activations, their gradients,
 the next input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final
@@ -14,8 +14,10 @@ units of one [tokens, hidden] tensor and were calibrated against measured peaks 
 
 `plan_memory` chooses, for the GPU and host it runs on (or the capacities in the config): how many
 layers' inputs stay on the GPU (the first k), how many more are recomputed when the host cannot hold
-the rest, and the MLP tile count. `MemoryPlan.failure()` gives the numbers and the settings that would
-help; `trainer.build.build_model` raises with it, so the trainer fails before building the model.
+the rest, the MLP tile count, and for how many layers (from the top) the attention output is kept, on
+the GPU with the room left, then on the host. `MemoryPlan.failure()` gives the numbers and the settings
+that would help; `trainer.build.build_model` raises with it, so the trainer fails before building the
+model.
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
 class MemoryPlan:
     placements: list[str] | None        # per layer: gpu | host | recompute; None: no checkpointing
     mlp_tiles: int
+    attention: list[str] | None         # per layer, where its attention output is kept: gpu | host | none
     gpu: dict[str, int]                  # predicted peak GPU bytes, itemized
     host: dict[str, int]                 # predicted peak host bytes, itemized
     capacity: Capacity
@@ -135,9 +138,13 @@ class MemoryPlan:
     def count(self, placement: str) -> int:
         return 0 if self.placements is None else self.placements.count(placement)
 
+    def kept_attention(self, placement: str) -> int:
+        return 0 if self.attention is None else self.attention.count(placement)
+
     def describe(self) -> str:
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, "
+                 f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
                  f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
@@ -162,6 +169,11 @@ class Shape:
     @property
     def activation(self) -> int:     # one [tokens, hidden] tensor
         return self.tokens * self.arch.hidden_size * self.act_bytes
+
+    @property
+    def attention_output(self) -> tuple[int, int]:     # one layer's attention output and fp32 lse
+        heads = self.arch.num_attention_heads
+        return self.tokens * heads * self.arch.head_dim * self.act_bytes, self.tokens * heads * 4
 
 
 def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict[str, int]:
@@ -204,6 +216,76 @@ def max_recomputed(layers: int, on_gpu: int) -> int:
     return len(_recomputable(layers, on_gpu))
 
 
+def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
+    """Kept attention outputs from the top layer down (the backward's first): `on_gpu` on the GPU, the
+    next `on_host` on the host, none below."""
+    kept = ["gpu"] * on_gpu + ["host"] * on_host
+    return ["none"] * (layers - len(kept)) + kept[::-1]
+
+
+@dataclass
+class KeptLayers:
+    """Where each layer's input and attention output are kept, and what that costs."""
+    placements: list[str]
+    attention: list[str]
+    gpu: dict[str, int]
+    host: dict[str, int]
+
+
+def _keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host_room: int) -> KeptLayers:
+    """Layer inputs first (the first k on the GPU, the rest on the host, recomputed when the host is full),
+    then attention outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
+    outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
+    which is taken if it keeps more attention outputs without recomputing more inputs."""
+    offload = memory_cfg.offload and device.type == "cuda"
+    per_layer = sum(shape.attention_output)
+    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve)
+                  for reserve in ((0, per_layer) if offload else (0,))]
+    # Fewest recomputed inputs, then most kept attention outputs; min() keeps the first (no reserve) on ties.
+    return min(candidates, key=lambda kept: (kept.placements.count("recompute"), kept.attention.count("none")))
+
+
+def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: int, host_room: int,
+                                reserve: int) -> KeptLayers:
+    layers, a = shape.arch.num_hidden_layers, shape.activation
+    # Without CUDA there is nowhere to offload to: the "GPU" is the host.
+    on_gpu = layers if not offload else (
+        memory_cfg.gpu_layers if memory_cfg.gpu_layers is not None else min(layers, max(0, (room - reserve) // a)))
+    on_gpu = min(layers, on_gpu)
+    needed = max(0, layers - on_gpu - host_room // pinned_size(a)) if on_gpu < layers else 0
+    recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
+                  else min(needed, max_recomputed(layers, on_gpu)))
+    placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
+    gpu = {"layer inputs on GPU": placements.count("gpu") * a}
+    host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if placements.count("host") else {}
+    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - gpu["layer inputs on GPU"],
+                                                    host_room - host.get("pinned layer inputs", 0), offload)
+    per_layer = sum(shape.attention_output)
+    gpu["attention outputs on GPU"] = attention_gpu * per_layer
+    if attention_host:
+        gpu["attention output prefetch"] = per_layer
+        host["pinned attention outputs"] = attention_host * sum(map(pinned_size, shape.attention_output))
+    return KeptLayers(placements, _attention_placements(layers, attention_gpu, attention_host), gpu, host)
+
+
+def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, offload: bool) -> tuple[int, int]:
+    """(on GPU, on host) counts of layers whose attention output is kept: all wanted layers that fit the
+    GPU room, the rest in the host room (one GPU slot then goes to prefetching them)."""
+    layers = shape.arch.num_hidden_layers
+    wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
+    per_layer = sum(shape.attention_output)
+    on_gpu = min(wanted, max(0, gpu_room // per_layer))
+    if on_gpu == wanted or not offload:
+        return on_gpu, 0
+    if gpu_room < per_layer and memory_cfg.kept_attention_layers is None:
+        return on_gpu, 0                   # no GPU slot to prefetch host-kept outputs into
+    on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)
+    per_host = sum(pinned_size(size) for size in shape.attention_output)
+    on_host = wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
+        min(wanted - on_gpu, max(0, host_room) // per_host)
+    return (on_gpu, on_host) if on_host else (min(wanted, max(0, gpu_room // per_layer)), 0)
+
+
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True) -> MemoryPlan:
     """The policy for this config on this machine (or `capacity`), with its predicted peaks. Full
@@ -236,27 +318,18 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     transient = transient_bytes(shape, -(-shape.tokens // tiles), memory_cfg.checkpoint)
     layers, a = arch.num_hidden_layers, shape.activation
     gpu_limit = int(capacity.gpu * GPU_FILL) - GPU_RESERVE
-    if not memory_cfg.checkpoint:
-        placements = None
-    else:
-        room = gpu_limit - sum(static.values()) - sum(transient.values())
-        # Without CUDA there is nowhere to offload to: the "GPU" is the host.
-        on_gpu = layers if not memory_cfg.offload or device.type != "cuda" else (
-            memory_cfg.gpu_layers if memory_cfg.gpu_layers is not None else min(layers, max(0, room // a)))
-        on_gpu = min(layers, on_gpu)
-        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
-        needed = max(0, layers - on_gpu - host_room // pinned_size(a)) if on_gpu < layers else 0
-        recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
-                      else min(needed, max_recomputed(layers, on_gpu)))
-        placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
     gpu = dict(static)
-    if placements is not None:
-        gpu["layer inputs on GPU"] = placements.count("gpu") * a
-    gpu.update(transient)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
-    if placements is not None and placements.count("host"):
-        host["pinned layer inputs"] = placements.count("host") * pinned_size(a)
-    return MemoryPlan(placements, tiles, gpu, host, capacity, full_state=full_state)
+    placements = attention = None
+    if memory_cfg.checkpoint:
+        room = gpu_limit - sum(static.values()) - sum(transient.values())
+        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
+        kept = _keep_layers(shape, memory_cfg, device, room, host_room)
+        placements, attention = kept.placements, kept.attention
+        gpu.update(kept.gpu)
+        host.update(kept.host)
+    gpu.update(transient)
+    return MemoryPlan(placements, tiles, attention, gpu, host, capacity, full_state=full_state)
 
 
 def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device) -> list[str]:
@@ -270,6 +343,8 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
         tips.append("memory.gpu_layers=null (let the planner choose how many inputs stay on the GPU)")
     if memory_cfg.recomputed_inputs is not None:
         tips.append("memory.recomputed_inputs=null (let the planner recompute inputs the host cannot hold)")
+    if memory_cfg.kept_attention_layers:
+        tips.append("memory.kept_attention_layers=null (keep only the attention outputs that fit)")
     if plan.mlp_tiles * 4096 < seq_len * batch_size:
         tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)" if memory_cfg.mlp_tiles is None else
                     "memory.mlp_tiles=null memory.mlp_tile_tokens=4096 (smaller MLP tiles; mlp_tiles overrides)")

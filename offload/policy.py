@@ -8,6 +8,10 @@ placements). The
 backward of layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
 layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
 reentrant checkpointing.
+
+Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
+log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
+them instead of running the attention forward again, the costliest part of a long-sequence recompute.
 """
 from __future__ import annotations
 
@@ -17,10 +21,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
 PLACEMENTS = ("gpu", "host", "recompute")
+ATTENTION_PLACEMENTS = ("gpu", "host", "none")
 
 
 @dataclass
@@ -104,6 +110,25 @@ def input_key(index: int) -> tuple[str, int]:
     return ("layer_input", index)
 
 
+def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]:
+    """The pinned-pool key of layer `index`'s attention call `call`, part 0 (output) or 1 (lse)."""
+    return ("attention", index, call, part)
+
+
+Payload = torch.Tensor | HostCopy | PendingTensor
+
+
+def _started(payload: Payload, engine: CopyEngine) -> Payload:
+    """A host-held payload with its copy back to the device started; others as they are."""
+    return engine.to_device(payload) if isinstance(payload, HostCopy) else payload
+
+
+def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
+    """The payload on the device, the current stream waiting for its copy if one is in flight."""
+    payload = _started(payload, engine)
+    return payload.wait() if isinstance(payload, PendingTensor) else payload
+
+
 @dataclass(eq=False)
 class StoredInput:
     placement: str
@@ -114,20 +139,26 @@ class StoredInput:
     # Identifies this forward's record to its backward. The autograd node holds only this token, never the
     # record: a node outlives its backward (until the loss is freed) and would keep the payload alive.
     token: object = field(default_factory=object)
+    # The layer's (out, lse) attention payloads, when its attention placement keeps them.
+    attention: list[tuple[Payload, Payload]] = field(default_factory=list)
 
 
 class LayerInputStore:
     """Holds each layer's input from its forward to its backward, and prefetches in the backward."""
 
-    def __init__(self, placements: list[str], engine: CopyEngine):
+    def __init__(self, placements: list[str], engine: CopyEngine, attention: list[str] | None = None):
         unknown = set(placements) - set(PLACEMENTS)
         if unknown:
             raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
+        attention = attention or ["none"] * len(placements)
+        if len(attention) != len(placements) or set(attention) - set(ATTENTION_PLACEMENTS):
+            raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
+                             f"({len(placements)}), got {attention}")
         if placements and placements[0] == "recompute" or any(
                 a == b == "recompute" for a, b in zip(placements, placements[1:])):
             raise ValueError("a 'recompute' layer needs the previous layer's input kept: not layer 0, never two "
                              f"in a row; got {placements}")
-        self.placements, self.engine = placements, engine
+        self.placements, self.attention, self.engine = placements, attention, engine
         self.stored: dict[int, StoredInput] = {}
 
     def keep(self, index: int, hidden: torch.Tensor) -> object:
@@ -167,11 +198,32 @@ class LayerInputStore:
     def take(self, index: int) -> torch.Tensor:
         """The input of layer `index` on the device, waiting for its copy if one is in flight."""
         record = self.stored[index]
-        if isinstance(record.payload, HostCopy):
-            record.payload = self.engine.to_device(record.payload)
-        if isinstance(record.payload, PendingTensor):
-            record.payload = record.payload.wait()
+        record.payload = _on_device(record.payload, self.engine)
         return record.payload
+
+    def keeps_attention(self, index: int) -> bool:
+        return self.attention[index] != "none"
+
+    def keep_attention(self, index: int, tape: AttentionTape) -> None:
+        """Keep what layer `index`'s forward recorded on `tape`, where its attention placement says."""
+        on_host = self.attention[index] == "host"
+        self.stored[index].attention = [
+            tuple(self.engine.to_host(attention_key(index, call, part), t) if on_host else t
+                  for part, t in enumerate(pair)) for call, pair in enumerate(tape.saved)]
+
+    def take_attention(self, index: int) -> AttentionTape | None:
+        """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""
+        record = self.stored[index]
+        if not record.attention:
+            return None
+        record.attention = [tuple(_on_device(p, self.engine) for p in pair) for pair in record.attention]
+        return AttentionTape(list(record.attention))
+
+    def prefetch_attention(self, index: int) -> None:
+        """Start copying back layer `index`'s kept attention outputs (its backward comes next)."""
+        record = self.stored.get(index)
+        if record is not None:
+            record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:
         """Layer `index`'s backward is done: its input is no longer needed."""
@@ -180,9 +232,9 @@ class LayerInputStore:
     def prefetch_below(self, index: int) -> None:
         """Start copying back the next kept input below `index`, to overlap this layer's backward."""
         below = [i for i in self.stored if i < index and self.stored[i].placement != "recompute"]
-        if below and isinstance(self.stored[max(below)].payload, HostCopy):
+        if below:
             record = self.stored[max(below)]
-            record.payload = self.engine.to_device(record.payload)
+            record.payload = _started(record.payload, self.engine)
 
 
 class OffloadedCheckpoint(torch.autograd.Function):
@@ -192,7 +244,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
     def forward(ctx, anchor, hidden, policy, index, rope, cu_seqlens):
         ctx.policy, ctx.index, ctx.rope, ctx.cu_seqlens = policy, index, rope, cu_seqlens
         ctx.token = policy.store.keep(index, hidden)
-        return policy.layers[index](hidden, rope, cu_seqlens)
+        return policy.forward_layer(index, hidden, rope, cu_seqlens)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -201,7 +253,9 @@ class OffloadedCheckpoint(torch.autograd.Function):
         replay = policy.store.replay_state(index)
         want_input_grad = ctx.needs_input_grad[1]
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
-        with torch.enable_grad(), replay.replay():
+        tape = policy.store.take_attention(index)
+        policy.store.prefetch_attention(index - 1)
+        with torch.enable_grad(), replay.replay(), tape.replaying() if tape else contextlib.nullcontext():
             out = policy.layers[index](hidden, ctx.rope, ctx.cu_seqlens)
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
@@ -212,12 +266,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
 class MemoryPolicy:
     """Installed on a LlamaModel by `apply_memory_policy`; `stats()` gives per-step offload metrics."""
 
-    def __init__(self, decoder: nn.Module, placements: list[str] | None, mlp_tiles: int, device: torch.device):
+    def __init__(self, decoder: nn.Module, placements: list[str] | None, mlp_tiles: int, device: torch.device,
+                 attention: list[str] | None = None):
         self.decoder = decoder
         self.layers = list(decoder.layers)
         self.index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         self.engine = CopyEngine(device)
-        self.store = LayerInputStore(placements, self.engine) if placements is not None else None
+        self.store = LayerInputStore(placements, self.engine, attention) if placements is not None else None
         # Custom Functions run their backward only if some input needs grad; layer 0's input (a frozen
         # embedding's output) does not, so every call also takes this one.
         self.anchor = torch.empty(0, requires_grad=True)
@@ -242,15 +297,31 @@ class MemoryPolicy:
         """Allocate the pinned buffers of the host-placed inputs now (~0.6 s/GiB), not in the first step."""
         if self.store is None:
             return
-        nbytes = batch_size * seq_len * self.decoder.cfg.hidden_size * dtype.itemsize
+        cfg, tokens = self.decoder.cfg, batch_size * seq_len
+        nbytes = tokens * cfg.hidden_size * dtype.itemsize
+        attention_bytes = (tokens * cfg.num_attention_heads * cfg.head_dim * dtype.itemsize,  # output
+                           tokens * cfg.num_attention_heads * 4)                               # fp32 lse
         for index, placement in enumerate(self.store.placements):
             if placement == "host":
                 self.engine.pool.get(input_key(index), nbytes)
+            if self.store.attention[index] == "host":
+                for part, size in enumerate(attention_bytes):
+                    self.engine.pool.get(attention_key(index, 0, part), size)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return layer(hidden, rope, cu_seqlens)
         return OffloadedCheckpoint.apply(self.anchor, hidden, self, self.index_of[id(layer)], rope, cu_seqlens)
+
+    def forward_layer(self, index: int, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
+        """Layer `index`'s forward without grad, recording its attention outputs if they are to be kept."""
+        if not self.store.keeps_attention(index):
+            return self.layers[index](hidden, rope, cu_seqlens)
+        tape = AttentionTape()
+        with tape.recording():
+            out = self.layers[index](hidden, rope, cu_seqlens)
+        self.store.keep_attention(index, tape)
+        return out
 
     def layer_input(self, index: int, rope, cu_seqlens) -> torch.Tensor:
         """Layer `index`'s input for its backward: fetched, or rebuilt by re-running the layer below."""
@@ -273,6 +344,7 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 
 def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,
-                        device: torch.device) -> MemoryPolicy:
-    """Install checkpointing (placements per layer, None = off) and MLP tiling (tiles > 1) on `model`."""
-    return MemoryPolicy(decoder_of(model), placements, mlp_tiles, device).install()
+                        device: torch.device, attention: list[str] | None = None) -> MemoryPolicy:
+    """Install checkpointing (placements per layer, None = off), kept attention outputs (per layer, None =
+    none) and MLP tiling (tiles > 1) on `model`."""
+    return MemoryPolicy(decoder_of(model), placements, mlp_tiles, device, attention).install()

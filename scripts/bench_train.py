@@ -78,6 +78,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     plan = model.memory_plan
     info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
+                     "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "host_peak_gib": plan.host_peak / GIB}}
     return lm.config, step, model.memory_policy.stats, info

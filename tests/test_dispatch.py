@@ -40,3 +40,20 @@ def test_unknown_backend_is_rejected():
 def test_every_op_has_a_reference_and_a_triton_kernel(name):
     assert callable(getattr(kernels.reference, name))
     assert callable(kernels._triton_op(name))
+
+
+@pytest.mark.parametrize("head_dim, expect_kernel", [(16, False), (64, True)])
+def test_auto_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(monkeypatch, head_dim, expect_kernel):
+    """On a GPU "auto" picks the Triton attention; a head dim it does not handle (the tiny model's 16)
+    must run the reference instead of raising."""
+    calls = []
+
+    def kernel(q, k, v, **options):
+        calls.append(q.shape)
+        return torch.zeros_like(q)
+    monkeypatch.setattr(kernels, "_pick", lambda name, tensor: kernel)   # as if the tensors were on CUDA
+    q, k, v = (torch.randn(1, 5, 2, head_dim) for _ in range(3))
+    out = kernels.attention(q, k, v)
+    assert bool(calls) == expect_kernel
+    if not expect_kernel:
+        torch.testing.assert_close(out, kernels.reference.attention(q, k, v), rtol=0, atol=0)

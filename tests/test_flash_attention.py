@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.attention_tape import AttentionTape
 from kernels.flash_attention import flash_attention
 
 CUDA = torch.cuda.is_available()
@@ -162,6 +163,54 @@ def test_bad_cu_seqlens():
         flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 4, 7], dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
         flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 8]))
+
+
+@interpreted
+def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
+    """Past TUNE_MAX_SEQLEN the tuning key stops growing, and the configs are tuned on a prefix of that
+    length (seconds) instead of on the whole sequence (minutes at 524k); documents crossing the prefix
+    end are cut there."""
+    import kernels.flash_attention as flash
+    monkeypatch.setattr(flash, "TUNE_MAX_SEQLEN", 16)
+    monkeypatch.setattr(flash, "_tuned_on_prefix", set())
+    assert flash._seq_bucket(9) == 16 and flash._seq_bucket(40) == 16
+    q, k, v = (t.detach() for t in _inputs(1, 40, 2, 1, 64, torch.float32))
+    doc_start, doc_end = flash._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
+    flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, "key")
+    assert flash._tuned_on_prefix == {"key"}
+    monkeypatch.setattr(flash, "_interpreting", lambda: False)
+    assert not flash._needs_prefix_tuning(40, "key") and flash._needs_prefix_tuning(40, "other")
+    assert not flash._needs_prefix_tuning(16, "other")
+
+@interpreted
+def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
+    q, k, v = _inputs(2, 37, 4, 2, 64, torch.float32)
+    grad_out = torch.randn(2, 37, 4, 64)
+    tape = AttentionTape()
+    with torch.no_grad(), tape.recording():
+        recorded = flash_attention(q, k, v)
+    assert len(tape.saved) == 1 and tape.saved[0][0].data_ptr() == recorded.data_ptr()
+    with tape.replaying():
+        replayed = flash_attention(q, k, v)
+    assert replayed.data_ptr() == recorded.data_ptr(), "no new forward: the recorded output itself"
+    grads = torch.autograd.grad(replayed, (q, k, v), grad_out)
+    expected = torch.autograd.grad(flash_attention(q, k, v), (q, k, v), grad_out)
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+
+@interpreted
+def test_a_replay_that_differs_from_the_recording_is_refused():
+    q, k, v = _inputs(1, 8, 2, 2, 64, torch.float32)
+    tape = AttentionTape()
+    with torch.no_grad(), tape.recording():
+        flash_attention(q, k, v)
+    with tape.replaying(), pytest.raises(RuntimeError, match="replayed past"):
+        flash_attention(q, k, v)
+        flash_attention(q, k, v)
+    shorter = _inputs(1, 7, 2, 2, 64, torch.float32)
+    with tape.replaying(), pytest.raises(RuntimeError, match="differs from the recorded forward"):
+        flash_attention(*shorter)
 
 
 @interpreted

@@ -60,16 +60,17 @@ def assert_same(reference, measured, rtol=1e-5):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=rtol, atol=rtol * 1e-2, msg=name)
 
 
-@pytest.mark.parametrize("placements, tiles", [
-    (["host"] * 4, 1),
-    (["gpu", "host", "recompute", "host"], 3),
-    (["gpu", "recompute", "host", "recompute"], 5),
+# The reference attention records nothing: keeping its outputs ("host" attention) must change nothing.
+@pytest.mark.parametrize("placements, tiles, attention", [
+    (["host"] * 4, 1, ["host"] * 4),
+    (["gpu", "host", "recompute", "host"], 3, None),
+    (["gpu", "recompute", "host", "recompute"], 5, None),
 ], ids=["offload-all", "mixed-tiled", "recompute-tiled"])
-def test_policy_matches_plain_autograd(placements, tiles):
+def test_policy_matches_plain_autograd(placements, tiles, attention):
     model = lora_model()
     input_ids, labels = batch()
     reference = loss_and_grads(model, input_ids, labels)
-    policy = apply_memory_policy(model, placements, tiles, torch.device("cpu"))
+    policy = apply_memory_policy(model, placements, tiles, torch.device("cpu"), attention)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
     assert not policy.store.stored, "every kept input is released by the end of the backward"
     policy.remove()
@@ -204,6 +205,32 @@ def test_invalid_placements_are_refused(placements):
         LayerInputStore(placements, CopyEngine(torch.device("cpu")))
 
 
+@pytest.mark.parametrize("attention", [["host"], ["host", "disk"]])
+def test_invalid_attention_placements_are_refused(attention):
+    with pytest.raises(ValueError, match="attention placements"):
+        LayerInputStore(["host", "host"], CopyEngine(torch.device("cpu")), attention)
+
+
+def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch):
+    """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
+    forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
+    attention (interpreted on CPU) is the one that records; head dim 64 is a size it supports."""
+    import kernels.flash_attention as flash
+    kernels.set_backend("triton")
+    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    input_ids, labels = batch(seqlen=24)
+    reference = loss_and_grads(model, input_ids, labels)
+    forward_kernel, launches = flash._attention_forward, []
+    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launches.append(1) or forward_kernel(*a))
+    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
+                                 attention=["host", "gpu", "none", "host"])
+    assert_same(reference, loss_and_grads(model, input_ids, labels))
+    # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
+    assert len(launches) == 6
+    assert not policy.store.stored
+    assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
 def test_policy_matches_plain_autograd_on_cuda():
     kernels.set_backend("auto")
@@ -212,7 +239,8 @@ def test_policy_matches_plain_autograd_on_cuda():
     input_ids, labels = batch(seqlen=512, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     reference = loss_and_grads(model, input_ids, labels, autocast=autocast)
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 3, torch.device("cuda"))
+    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 3, torch.device("cuda"),
+                                 attention=["host", "gpu", "none", "host"])
     for _ in range(2):      # the second step reuses the pinned buffers
         loss, grads = loss_and_grads(model, input_ids, labels, autocast=autocast)
         torch.testing.assert_close(loss, reference[0], rtol=1e-2, atol=0)

@@ -53,6 +53,41 @@ def test_524k_recomputes_what_the_host_cannot_hold():
     assert placements[0] != "recompute"
 
 
+def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
+    long = plan(131072)
+    assert long.fits and long.placements == ["gpu"] * 32
+    gpu_kept, host_kept = long.kept_attention("gpu"), long.kept_attention("host")
+    assert gpu_kept > 0 and host_kept > 0 and gpu_kept + host_kept == 32
+    assert long.attention == ["host"] * host_kept + ["gpu"] * gpu_kept    # the backward's first on the GPU
+    output, lse = 131072 * 4096 * 2, 131072 * 32 * 4
+    assert long.gpu["attention outputs on GPU"] == gpu_kept * (output + lse)
+    assert long.gpu["attention output prefetch"] == output + lse
+    assert long.host["pinned attention outputs"] == host_kept * (output + lse)
+
+
+def test_a_gpu_slot_is_freed_for_prefetching_attention_outputs_when_inputs_fill_the_gpu():
+    """Full fine-tuning at 131k: the inputs alone would fill the GPU room; one more goes to the host so
+    that every attention output can be kept there."""
+    full = SimpleNamespace(mode="full", full_state="auto")
+    without = plan(131072, MemoryConfig(kept_attention_layers=0), train=full)
+    kept = plan(131072, train=full)
+    assert kept.fits and kept.kept_attention("host") == 32
+    assert kept.count("gpu") < without.count("gpu") and kept.count("recompute") == without.count("recompute") == 0
+
+
+def test_no_attention_output_is_kept_at_the_cost_of_recomputing_inputs():
+    long = plan(524288)
+    assert long.attention == ["none"] * 32
+    assert long.placements == plan(524288, MemoryConfig(kept_attention_layers=0)).placements
+
+
+def test_kept_attention_layers_is_obeyed():
+    assert plan(65536, MemoryConfig(kept_attention_layers=0)).attention == ["none"] * 32
+    assert plan(65536, MemoryConfig(kept_attention_layers=5)).attention == ["none"] * 27 + ["gpu"] * 5
+    forced = plan(524288, MemoryConfig(kept_attention_layers=32))
+    assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
+
+
 def test_forced_settings_that_do_not_fit_come_with_numbers_and_advice():
     failing = plan(524288, MemoryConfig(offload=False))
     assert not failing.fits

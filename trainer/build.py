@@ -70,7 +70,7 @@ def build_model(cfg, device: torch.device) -> torch.nn.Module:
         model = apply_lora(model, cfg.train)
         if dtype == torch.bfloat16:
             keep_adapter_inputs_in_bf16(model)
-    model.memory_policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device)
+    model.memory_policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
     model.memory_plan = plan
     return model
 

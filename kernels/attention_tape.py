@@ -1,0 +1,85 @@
+"""Reuse of attention outputs between a forward and its recomputation (checkpointing).
+
+A checkpointed layer runs its forward twice: once without grad, once in the backward to rebuild what
+autograd needs. The attention is by far the costliest part of that second forward at long sequences
+(~15% of a 131k-token step), and its result is already known: the first forward's output and per-row
+log-sum-exp are all the attention backward needs besides q, k, v. A memory policy records them:
+
+    tape = AttentionTape()
+    with tape.recording():
+        y = layer(x)                     # each attention call appends (out, lse) to tape.saved
+    ...                                  # the policy may move tape.saved to host memory and back
+    with tape.replaying():
+        y = layer(x)                     # each attention call returns its saved out, no forward kernel
+
+Only the Triton attention (kernels.flash_attention) takes part; the reference attention computes as
+usual, leaving the tape empty, which the policy treats as nothing kept. The model code knows nothing of
+this.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionTape:
+    """The (out, lse) pairs of one block's attention calls, in call order."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def recording(self):
+        self.saved.clear()
+        with _active(self, replay=False):
+            yield self
+
+    @contextlib.contextmanager
+    def replaying(self):
+        with _active(self, replay=True):
+            yield self
+
+
+@dataclass
+class _Use:
+    tape: AttentionTape
+    replay: bool
+    cursor: int = 0
+
+
+_current: _Use | None = None
+
+
+@contextlib.contextmanager
+def _active(tape: AttentionTape, replay: bool):
+    global _current
+    outer, _current = _current, _Use(tape, replay)
+    try:
+        yield
+    finally:
+        _current = outer
+
+
+def record(out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Called by the attention after computing: keeps (out, lse) when a tape is recording."""
+    if _current is not None and not _current.replay:
+        _current.tape.saved.append((out, lse))
+
+
+def replayed(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Called by the attention before computing: the saved (out, lse) for this call when a tape is
+    replaying, checked against `like` (the query, whose shape and dtype the output has)."""
+    if _current is None or not _current.replay:
+        return None
+    use = _current
+    if use.cursor >= len(use.tape.saved):
+        raise RuntimeError(f"attention tape replayed past its {len(use.tape.saved)} recorded call(s): the "
+                           "recomputation makes more attention calls than the recorded forward did")
+    out, lse = use.tape.saved[use.cursor]
+    use.cursor += 1
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise RuntimeError(f"attention tape entry {use.cursor - 1} holds a {tuple(out.shape)} {out.dtype} output "
+                           f"on {out.device}, but the call's query is {tuple(like.shape)} {like.dtype} on "
+                           f"{like.device}: the recomputation differs from the recorded forward")
+    return out, lse
