@@ -180,9 +180,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Same contract as `reference.linear_cross_entropy` (fp32 loss); targets must lie in [0, V) or equal
     ignore_index. memory_budget: bytes of temporaries allowed (default DEFAULT_MEMORY_BUDGET); it sets the
     chunk size, which changes the result only by rounding."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # As nn.Linear under autocast: the matmuls run in the autocast dtype (differentiable casts, no-ops
+        # when the dtypes match already); inside, autocast is off so the gradient buffers keep that dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     _check_inputs(hidden, weight, targets, reduction)
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, budget)
-    loss, _, _ = _fused_forward(hidden, weight, targets, ignore_index, reduction, budget, False, False)
-    return loss
+    with torch.autocast(device_type, enabled=False):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, budget)
+        loss, _, _ = _fused_forward(hidden, weight, targets, ignore_index, reduction, budget, False, False)
+        return loss

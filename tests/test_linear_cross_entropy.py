@@ -172,3 +172,16 @@ def test_clear_errors():
         linear_cross_entropy(hidden, weight, targets[:3])
     with pytest.raises(TypeError, match="share one float dtype"):
         linear_cross_entropy(hidden, weight.double(), targets)
+
+
+def test_autocast_runs_the_matmuls_in_its_dtype_and_returns_input_dtype_gradients():
+    """fp32 weights under bf16 autocast (full fine-tuning of a small model on a GPU): computed like
+    nn.Linear would, in bf16, with fp32 gradients for the fp32 inputs (it raised on the `out=` buffers)."""
+    hidden, weight, targets = make_inputs(37, 32, 203, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = our_result(hidden, weight, targets)
+    rounded = [t.detach().to(torch.bfloat16).float() for t in (hidden, weight)]
+    expected = reference_result(*rounded, targets)
+    assert ours[1].dtype == ours[2].dtype == torch.float32
+    for out, ref in zip(ours, expected):
+        assert relative_error(out, ref) < 1e-2

@@ -211,6 +211,7 @@ def test_invalid_attention_placements_are_refused(attention):
         LayerInputStore(["host", "host"], CopyEngine(torch.device("cpu")), attention)
 
 
+@pytest.mark.skipif(not kernels.interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
 def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch):
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
