@@ -111,6 +111,9 @@ class CopyEngine:
             self._timed_copy(tensor, stored.host, nbytes)
             done = torch.cuda.Event()
             done.record(self.stream)
+        # A prefetch that is dropped unused (a forward with no backward) frees `tensor` on the compute
+        # stream; keep its block from reuse until the copy into it has finished.
+        tensor.record_stream(self.stream)
         return PendingTensor(tensor, done, self)
 
     def wait_on_current_stream(self, event: torch.cuda.Event) -> None:

@@ -162,7 +162,8 @@ def test_tile_advice_unsets_an_explicit_tile_count():
     assert "memory.mlp_tiles=null memory.mlp_tile_tokens=4096" in failing.failure()
 
 
-def test_trainer_names_an_unplannable_memory_setting():
+@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2"])
+def test_trainer_names_an_unplannable_memory_setting(setting):
     from hydra import compose, initialize_config_dir
 
     from conf.schema import register_configs
@@ -171,6 +172,6 @@ def test_trainer_names_an_unplannable_memory_setting():
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["seq_len=256", "memory.gpu_layers=-1"])
-    with pytest.raises(ConfigError, match="memory.gpu_layers=-1 must be at least 0"):
+        cfg = compose("config", overrides=["seq_len=256", setting])
+    with pytest.raises(ConfigError, match=f"{setting} must be at least 0"):
         build_model(cfg, torch.device("cpu"))
