@@ -111,9 +111,9 @@ class CopyEngine:
             self._timed_copy(tensor, stored.host, nbytes)
             done = torch.cuda.Event()
             done.record(self.stream)
-        # A prefetch that is dropped unused (a forward with no backward) frees `tensor` on the compute
-        # stream; keep its block from reuse until the copy into it has finished.
-        tensor.record_stream(self.stream)
+        # No record_stream here: every copy started is waited on by the backward that started it before the
+        # tensor is used or freed, and record_stream would hold each block until all later prefetches are
+        # done, raising the backward's peak.
         return PendingTensor(tensor, done, self)
 
     def wait_on_current_stream(self, event: torch.cuda.Event) -> None:
