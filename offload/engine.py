@@ -111,9 +111,9 @@ class CopyEngine:
             self._timed_copy(tensor, stored.host, nbytes)
             done = torch.cuda.Event()
             done.record(self.stream)
-        # No record_stream here: every copy started is waited on by the backward that started it before the
-        # tensor is used or freed, and record_stream would hold each block until all later prefetches are
-        # done, raising the backward's peak.
+        # No record_stream here: the backward waits on each copy before it uses the tensor (one left unused by
+        # a backward that raised is freed only when the next forward replaces it, seconds later), and
+        # record_stream would hold every block until all later prefetches are done, raising the peak.
         return PendingTensor(tensor, done, self)
 
     def wait_on_current_stream(self, event: torch.cuda.Event) -> None:
