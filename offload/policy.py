@@ -252,6 +252,9 @@ class OffloadedCheckpoint(torch.autograd.Function):
         policy.store.check_owner(index, ctx.token)
         replay = policy.store.replay_state(index)
         want_input_grad = ctx.needs_input_grad[1]
+        # Started by the layer above, except in the first backward: start it here, ahead of the prefetch of
+        # the input below, which the compute stream would otherwise wait for too.
+        policy.store.prefetch_attention(index)
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
         tape = policy.store.take_attention(index)
         policy.store.prefetch_attention(index - 1)

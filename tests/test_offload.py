@@ -232,6 +232,27 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
 
+@pytest.mark.skipif(not kernels.interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer_below():
+    """The first backward starts the copy of its attention outputs itself: queued behind the prefetch of
+    the next input, the compute stream would wait for that one too (1 GiB at 131k tokens)."""
+    kernels.set_backend("triton")
+    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    input_ids, labels = batch(seqlen=16)
+    policy = apply_memory_policy(model, ["host"] * 4, 1, torch.device("cpu"), attention=["host"] * 4)
+    copied, to_device = [], policy.engine.to_device
+
+    def recording(stored):
+        copied.append(stored.host.data_ptr())
+        return to_device(stored)
+
+    policy.engine.to_device = recording
+    loss_and_grads(model, input_ids, labels)
+    layer_of = {buffer.data_ptr(): key[1] for key, buffer in policy.engine.pool.buffers.items()}
+    # Per layer its input, attention output and lse, each layer's copies before any of the layer below's.
+    assert [layer_of[pointer] for pointer in copied] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
 def test_policy_matches_plain_autograd_on_cuda():
     kernels.set_backend("auto")
