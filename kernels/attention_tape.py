@@ -19,6 +19,7 @@ this.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -48,31 +49,37 @@ class _Use:
     cursor: int = 0
 
 
-_current: _Use | None = None
+class _ThreadState(threading.local):
+    # Per thread, like grad mode and autocast: autograd runs a CUDA backward (the replay) on its own
+    # thread, and a tape must neither take nor answer the attention calls of another thread.
+    current: _Use | None = None
+
+
+_state = _ThreadState()
 
 
 @contextlib.contextmanager
 def _active(tape: AttentionTape, replay: bool):
-    global _current
-    outer, _current = _current, _Use(tape, replay)
+    outer, _state.current = _state.current, _Use(tape, replay)
     try:
         yield
     finally:
-        _current = outer
+        _state.current = outer
 
 
 def record(out: torch.Tensor, lse: torch.Tensor) -> None:
     """Called by the attention after computing: keeps (out, lse) when a tape is recording."""
-    if _current is not None and not _current.replay:
-        _current.tape.saved.append((out, lse))
+    use = _state.current
+    if use is not None and not use.replay:
+        use.tape.saved.append((out, lse))
 
 
 def replayed(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Called by the attention before computing: the saved (out, lse) for this call when a tape is
     replaying, checked against `like` (the query, whose shape and dtype the output has)."""
-    if _current is None or not _current.replay:
+    use = _state.current
+    if use is None or not use.replay:
         return None
-    use = _current
     if use.cursor >= len(use.tape.saved):
         raise RuntimeError(f"attention tape replayed past its {len(use.tape.saved)} recorded call(s): the "
                            "recomputation makes more attention calls than the recorded forward did")

@@ -15,11 +15,12 @@ if not COMPILED:
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
-from kernels import reference
+from kernels import attention_tape, reference
 from kernels.attention_tape import AttentionTape
 from kernels.flash_attention import flash_attention
 
@@ -211,6 +212,25 @@ def test_a_replay_that_differs_from_the_recording_is_refused():
     shorter = _inputs(1, 7, 2, 2, 64, torch.float32)
     with tape.replaying(), pytest.raises(RuntimeError, match="differs from the recorded forward"):
         flash_attention(*shorter)
+
+
+def test_a_tape_neither_takes_nor_answers_another_threads_calls():
+    """Autograd runs a CUDA backward, where the checkpoint replays its tape, on a thread of its own; a
+    tape in use on one thread must leave the attention calls of the others alone."""
+    pair = (torch.zeros(1, 4, 2, 64), torch.zeros(1, 2, 4))
+    answers = []
+
+    def other_thread():
+        attention_tape.record(*pair)
+        answers.append(attention_tape.replayed(pair[0]))
+
+    tape = AttentionTape()
+    for context in (tape.recording, tape.replaying):
+        with context():
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+    assert tape.saved == [] and answers == [None, None]
 
 
 @interpreted
