@@ -241,8 +241,14 @@ def _keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host
     per_layer = sum(shape.attention_output)
     candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve)
                   for reserve in ((0, per_layer) if offload else (0,))]
-    # Fewest recomputed inputs, then most kept attention outputs; min() keeps the first (no reserve) on ties.
-    return min(candidates, key=lambda kept: (kept.placements.count("recompute"), kept.attention.count("none")))
+
+    def rank(kept: KeptLayers) -> tuple:
+        # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then fewest
+        # recomputed inputs, then most kept attention outputs; min() keeps the first (no reserve) on ties.
+        overflows = sum(kept.gpu.values()) > room or sum(kept.host.values()) > host_room
+        return overflows, kept.placements.count("recompute"), kept.attention.count("none")
+
+    return min(candidates, key=rank)
 
 
 def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: int, host_room: int,
@@ -275,8 +281,10 @@ def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, off
     wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
     per_layer = sum(shape.attention_output)
     on_gpu = min(wanted, max(0, gpu_room // per_layer))
-    if on_gpu == wanted or not offload:
+    if on_gpu == wanted:
         return on_gpu, 0
+    if not offload:      # nowhere else to keep them: an explicit count stays whole, so the plan fails with advice
+        return (on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
     if gpu_room < per_layer and memory_cfg.kept_attention_layers is None:
         return on_gpu, 0                   # no GPU slot to prefetch host-kept outputs into
     on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)

@@ -88,6 +88,29 @@ def test_kept_attention_layers_is_obeyed():
     assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
 
 
+@pytest.mark.parametrize("count", [20, 32])
+def test_an_explicit_kept_attention_count_gets_the_gpu_prefetch_slot_too(count):
+    """Full fine-tuning at 131k keeps all 32 attention outputs on the host when the planner chooses; asking
+    for them (or fewer) must move the input that frees the prefetch slot just the same, not fail."""
+    kept = plan(131072, MemoryConfig(kept_attention_layers=count), train=SimpleNamespace(mode="full",
+                                                                                          full_state="auto"))
+    assert kept.fits and kept.kept_attention("host") == count
+
+
+@pytest.mark.parametrize("device, capacity, seq_len", [
+    (CUDA, H100_HOST, 131072),
+    (torch.device("cpu"), Capacity(gpu=96 * GIB, host=96 * GIB, pinnable=72 * GIB, device_type="cpu"), 65536),
+], ids=["no-offload", "cpu"])
+def test_explicit_kept_attention_beyond_the_device_room_fails_without_offload(device, capacity, seq_len):
+    """With nowhere to offload to, an explicit count the device cannot hold fails with advice, as
+    gpu_layers does; it is never silently lowered."""
+    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(offload=False), seq_len, 1, device, capacity)
+    assert chosen.fits and 0 < chosen.kept_attention("gpu") < 32
+    forced = plan_memory(LLAMA3_8B, LORA, MemoryConfig(kept_attention_layers=32, offload=False), seq_len, 1,
+                         device, capacity)
+    assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
+
+
 def test_forced_settings_that_do_not_fit_come_with_numbers_and_advice():
     failing = plan(524288, MemoryConfig(offload=False))
     assert not failing.fits
