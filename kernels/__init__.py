@@ -86,6 +86,15 @@ def _triton_supports_attention(q) -> bool:
     return importlib.import_module("kernels.flash_attention").supports(q)
 
 
+def attention_records(backend: str, device_type: str, head_dim: int) -> bool:
+    """Whether attention under `backend` on `device_type` records on an AttentionTape: only the Triton
+    attention does, so keeping attention outputs helps only where it runs."""
+    if backend == "reference":
+        return False
+    supported = head_dim in importlib.import_module("kernels.flash_attention").SUPPORTED_HEAD_DIMS
+    return supported and (backend == "triton" or device_type == "cuda")
+
+
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):
     return _pick("linear_cross_entropy", hidden)(hidden, weight, targets, ignore_index=ignore_index,
                                                  reduction=reduction)

@@ -57,3 +57,10 @@ def test_auto_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(monkeyp
     assert bool(calls) == expect_kernel
     if not expect_kernel:
         torch.testing.assert_close(out, kernels.reference.attention(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend, device_type, head_dim, records", [
+    ("reference", "cuda", 128, False), ("auto", "cpu", 128, False), ("auto", "cuda", 128, True),
+    ("auto", "cuda", 16, False), ("triton", "cpu", 64, True)])
+def test_only_the_triton_attention_records_on_a_tape(backend, device_type, head_dim, records):
+    assert kernels.attention_records(backend, device_type, head_dim) == records

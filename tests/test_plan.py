@@ -198,3 +198,24 @@ def test_trainer_names_an_unplannable_memory_setting(setting):
         cfg = compose("config", overrides=["seq_len=256", setting])
     with pytest.raises(ConfigError, match=f"{setting} must be at least 0"):
         build_model(cfg, torch.device("cpu"))
+
+
+def test_no_attention_output_is_kept_where_the_reference_attention_runs():
+    """Only the Triton attention records its outputs: on CPU (or kernels=reference) the planner keeps none,
+    so nothing is reserved or pinned for them, and asking for some is a clear error."""
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+    from conf.validate import ConfigError
+    from trainer.build import plan_for
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        on_cpu = compose("config", overrides=["model=llama3_8b", "seq_len=4096"])
+        reference = compose("config", overrides=["model=llama3_8b", "seq_len=131072", "kernels=reference",
+                                                 "memory.gpu_memory_gib=79.2", "memory.host_memory_gib=125"])
+        forced = compose("config", overrides=["seq_len=256", "memory.kept_attention_layers=2"])
+    assert plan_for(on_cpu, torch.device("cpu")).attention == ["none"] * 32
+    assert plan_for(reference, CUDA).attention == ["none"] * 32
+    with pytest.raises(ConfigError, match="memory.kept_attention_layers=2 needs the Triton attention"):
+        plan_for(forced, torch.device("cpu"))

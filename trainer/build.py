@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+import kernels
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from offload.config import check_memory_config
@@ -48,7 +49,20 @@ def plan_for(cfg, device: torch.device) -> MemoryPlan:
         check_memory_config(cfg.memory)
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    return plan_memory(arch, cfg.train, cfg.memory, cfg.seq_len, cfg.batch_size, device)
+    return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device)
+
+
+def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
+    """cfg.memory, keeping no attention outputs where the attention that runs records none (the reference
+    attention: kernels=reference, a CPU run, a head dim the Triton kernel lacks)."""
+    if kernels.attention_records(cfg.kernels, device.type, arch.head_dim):
+        return cfg.memory
+    if cfg.memory.kept_attention_layers:
+        raise ConfigError(
+            f"memory.kept_attention_layers={cfg.memory.kept_attention_layers} needs the Triton attention "
+            f"(kernels=auto on a CUDA GPU, or kernels=triton, with head dim 64 or 128; here kernels="
+            f"{cfg.kernels}, device {device.type}, head dim {arch.head_dim}): set it to null or 0")
+    return OmegaConf.merge(cfg.memory, {"kept_attention_layers": 0})
 
 
 def build_model(cfg, device: torch.device) -> torch.nn.Module:
