@@ -38,8 +38,11 @@ class AttentionTape:
 
     @contextlib.contextmanager
     def replaying(self):
-        with _active(self, replay=True):
+        with _active(self, replay=True) as use:
             yield self
+        if use.cursor != len(self.saved):     # on a clean exit only: never mask the body's own error
+            raise RuntimeError(f"attention tape replayed {use.cursor} of its {len(self.saved)} recorded call(s): "
+                               "the recomputation makes fewer attention calls than the recorded forward did")
 
 
 @dataclass
@@ -62,7 +65,7 @@ _state = _ThreadState()
 def _active(tape: AttentionTape, replay: bool):
     outer, _state.current = _state.current, _Use(tape, replay)
     try:
-        yield
+        yield _state.current
     finally:
         _state.current = outer
 

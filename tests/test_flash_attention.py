@@ -212,6 +212,9 @@ def test_a_replay_that_differs_from_the_recording_is_refused():
     shorter = _inputs(1, 7, 2, 2, 64, torch.float32)
     with tape.replaying(), pytest.raises(RuntimeError, match="differs from the recorded forward"):
         flash_attention(*shorter)
+    with pytest.raises(RuntimeError, match="replayed 0 of its 1 recorded call"):
+        with tape.replaying():
+            pass
 
 
 def test_a_tape_neither_takes_nor_answers_another_threads_calls():
