@@ -187,6 +187,11 @@ def test_backward_fetches_its_own_input_before_prefetching_the_next():
     model = lora_model()
     input_ids, labels = batch()
     policy = apply_memory_policy(model, ["host"] * 4, 1, torch.device("cpu"))
+    assert host_to_device_copy_layers(policy, model, input_ids, labels) == [3, 2, 1, 0]
+
+
+def host_to_device_copy_layers(policy, model, input_ids, labels) -> list[int]:
+    """The layer of each host-to-device copy of one training step, in the order the copies were started."""
     copied, to_device = [], policy.engine.to_device
 
     def recording(stored):
@@ -196,7 +201,7 @@ def test_backward_fetches_its_own_input_before_prefetching_the_next():
     policy.engine.to_device = recording
     loss_and_grads(model, input_ids, labels)
     layer_of = {buffer.data_ptr(): key[1] for key, buffer in policy.engine.pool.buffers.items()}
-    assert [layer_of[pointer] for pointer in copied] == [3, 2, 1, 0]
+    return [layer_of[pointer] for pointer in copied]
 
 
 @pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"]])
@@ -240,17 +245,8 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=16)
     policy = apply_memory_policy(model, ["host"] * 4, 1, torch.device("cpu"), attention=["host"] * 4)
-    copied, to_device = [], policy.engine.to_device
-
-    def recording(stored):
-        copied.append(stored.host.data_ptr())
-        return to_device(stored)
-
-    policy.engine.to_device = recording
-    loss_and_grads(model, input_ids, labels)
-    layer_of = {buffer.data_ptr(): key[1] for key, buffer in policy.engine.pool.buffers.items()}
     # Per layer its input, attention output and lse, each layer's copies before any of the layer below's.
-    assert [layer_of[pointer] for pointer in copied] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert host_to_device_copy_layers(policy, model, input_ids, labels) == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
