@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -549,6 +550,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         return out.view(batch, seqlen, *out.shape[2:])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
         _ensure_allocator(q.device)

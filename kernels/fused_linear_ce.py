@@ -15,6 +15,7 @@ number of chunks, which is why the chunk is the largest the budget allows.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -159,6 +160,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         if ctx.gradients is None:
             raise RuntimeError("linear_cross_entropy's backward can run only once (its gradients are scaled "

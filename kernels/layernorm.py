@@ -6,6 +6,7 @@ The forward saves the fp32 mean and rstd of each row; the backward recomputes x_
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -103,6 +104,7 @@ class LayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]

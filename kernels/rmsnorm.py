@@ -6,6 +6,7 @@ The forward saves only the fp32 rstd of each row; the backward recomputes x_hat 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -84,6 +85,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _rms_norm_backward(dy, x, weight, rstd, ctx.needs_input_grad[0], ctx.needs_input_grad[1])

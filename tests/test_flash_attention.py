@@ -318,3 +318,12 @@ def test_gpu_deterministic():
     runs = [torch.autograd.grad(flash_attention(q, k, v), (q, k, v), grad_out) for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+
+
+@interpreted
+def test_a_second_order_gradient_is_an_error_not_silently_zero():
+    """The kernels' backward is not itself differentiable: differentiating through its result must raise."""
+    q, k, v = _inputs(1, 9, 2, 2, 64, torch.float32)
+    dq, = torch.autograd.grad(flash_attention(q, k, v).square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
