@@ -144,7 +144,8 @@ class StoredInput:
 
 
 class LayerInputStore:
-    """Holds each layer's input from its forward to its backward, and prefetches in the backward."""
+    """Holds each layer's input (and, where placed, its attention outputs) from its forward to its backward,
+    and prefetches in the backward."""
 
     def __init__(self, placements: list[str], engine: CopyEngine, attention: list[str] | None = None):
         unknown = set(placements) - set(PLACEMENTS)
