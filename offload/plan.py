@@ -175,6 +175,14 @@ class Shape:
         heads = self.arch.num_attention_heads
         return self.tokens * heads * self.arch.head_dim * self.act_bytes, self.tokens * heads * 4
 
+    @property
+    def attention_bytes(self) -> int:                 # one layer's kept attention, on the device
+        return sum(self.attention_output)
+
+    @property
+    def attention_pinned_bytes(self) -> int:          # the same in the pool (two power-of-two buffers)
+        return sum(map(pinned_size, self.attention_output))
+
 
 def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict[str, int]:
     arch, a = shape.arch, shape.activation
@@ -238,9 +246,8 @@ def _keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host
     outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
     which is taken if it keeps more attention outputs without recomputing more inputs."""
     offload = memory_cfg.offload and device.type == "cuda"
-    per_layer = sum(shape.attention_output)
     candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve)
-                  for reserve in ((0, per_layer) if offload else (0,))]
+                  for reserve in ((0, shape.attention_bytes) if offload else (0,))]
 
     def rank(kept: KeptLayers) -> tuple:
         # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then fewest
@@ -266,11 +273,10 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: i
     host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if placements.count("host") else {}
     attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - gpu["layer inputs on GPU"],
                                                     host_room - host.get("pinned layer inputs", 0), offload)
-    per_layer = sum(shape.attention_output)
-    gpu["attention outputs on GPU"] = attention_gpu * per_layer
+    gpu["attention outputs on GPU"] = attention_gpu * shape.attention_bytes
     if attention_host:
-        gpu["attention output prefetch"] = per_layer
-        host["pinned attention outputs"] = attention_host * sum(map(pinned_size, shape.attention_output))
+        gpu["attention output prefetch"] = shape.attention_bytes
+        host["pinned attention outputs"] = attention_host * shape.attention_pinned_bytes
     return KeptLayers(placements, _attention_placements(layers, attention_gpu, attention_host), gpu, host)
 
 
@@ -279,19 +285,18 @@ def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, off
     GPU room, the rest in the host room (one GPU slot then goes to prefetching them)."""
     layers = shape.arch.num_hidden_layers
     wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
-    per_layer = sum(shape.attention_output)
-    on_gpu = min(wanted, max(0, gpu_room // per_layer))
-    if on_gpu == wanted:
-        return on_gpu, 0
+    per_layer = shape.attention_bytes
+    fit_on_gpu = min(wanted, max(0, gpu_room // per_layer))
+    if fit_on_gpu == wanted:
+        return fit_on_gpu, 0
     if not offload:      # nowhere else to keep them: an explicit count stays whole, so the plan fails with advice
-        return (on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
+        return (fit_on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
     if gpu_room < per_layer and memory_cfg.kept_attention_layers is None:
-        return on_gpu, 0                   # no GPU slot to prefetch host-kept outputs into
-    on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)
-    per_host = sum(pinned_size(size) for size in shape.attention_output)
+        return fit_on_gpu, 0               # no GPU slot to prefetch host-kept outputs into
+    on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)     # one slot left for the prefetch
     on_host = wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
-        min(wanted - on_gpu, max(0, host_room) // per_host)
-    return (on_gpu, on_host) if on_host else (min(wanted, max(0, gpu_room // per_layer)), 0)
+        min(wanted - on_gpu, max(0, host_room) // shape.attention_pinned_bytes)
+    return (on_gpu, on_host) if on_host else (fit_on_gpu, 0)
 
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
