@@ -15,18 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.config import DataConfig
-from data.packing import (LONG_DOC_POLICIES, Document, LongDocCounts, assemble_batch, epoch_order, pack_rows,
-                          plan_pieces)
-from data.tokenize import (LOSS_ON, DataError, check_tokenizer_files, check_vocabulary, load_tokenizer,
-                           tokenize_chat, tokenize_texts)
+from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
+from data.tokenize import (DataError, check_tokenizer_files, check_vocabulary, load_tokenizer, tokenize_chat,
+                           tokenize_texts)
 
 log = logging.getLogger(__name__)
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
-FORMATS = ("auto", "text", "chat")
-TEXT_UNITS = ("document", "paragraph", "line")
 # Files save_to_disk writes at the top of a Dataset / DatasetDict directory.
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 # Bump when tokenization output changes, so cached tokenizations from older code are not reused.
@@ -42,10 +39,8 @@ class LocalSource:
     builder: str | None        # datasets builder for the files; None for a save_to_disk directory
 
 
-def resolve_source(path: str | None) -> LocalSource:
+def resolve_source(path: str) -> LocalSource:
     """What data.path names on disk; a clear error for anything missing, remote or unsupported."""
-    if not path:
-        raise DataError("data=files needs data.path=<file, folder, glob or save_to_disk directory>")
     local = Path(path).expanduser()
     if local.is_dir() and any((local / marker).is_file() for marker in SAVED_DATASET_MARKERS):
         return LocalSource(path, [local], None)
@@ -80,19 +75,10 @@ def resolve_source(path: str | None) -> LocalSource:
     return LocalSource(path, non_empty, builders.pop())
 
 
-def check_files_config(cfg: DataConfig, tokenizer_path: str | None) -> None:
-    """The early checks: option values, data.path on disk, and a tokenizer in model.path."""
-    choices = {"format": (cfg.format, FORMATS), "loss_on": (cfg.loss_on, LOSS_ON),
-               "long_docs": (cfg.long_docs, ("auto",) + LONG_DOC_POLICIES), "text_unit": (cfg.text_unit, TEXT_UNITS)}
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise DataError(f"data.{name}={value!r} is not one of {allowed}")
-    if cfg.num_proc < 0:
-        raise DataError(f"data.num_proc={cfg.num_proc} must be >= 0 (0 picks by dataset size)")
+def preflight_files(cfg: DataConfig, tokenizer_path: str) -> None:
+    """Before the model is built: data.path resolves to readable data files and model.path holds a
+    tokenizer (the option values were checked by conf.schema.data.check_files)."""
     resolve_source(cfg.path)
-    if not tokenizer_path:
-        raise DataError("data=files needs a tokenizer: set model.path=<local Hugging Face checkpoint directory "
-                        "with its tokenizer files>")
     check_tokenizer_files(tokenizer_path)
 
 
@@ -271,8 +257,7 @@ class PackedDocuments:
 
 
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      tokenizer_path: str | None) -> PackedDocuments:
-    check_files_config(cfg, tokenizer_path)
+                      tokenizer_path: str) -> PackedDocuments:
     tokenizer = load_tokenizer(tokenizer_path)
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
     source = resolve_source(cfg.path)

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conf.schema.data import LONG_DOC_POLICIES
 from data.batch import IGNORE_INDEX, Batch
-
-LONG_DOC_POLICIES = ("split", "drop", "truncate")
 
 
 @dataclass

@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import torch
 
+from conf.schema.data import RECALL_SPECIAL_TOKENS, DataConfig
 from data.batch import IGNORE_INDEX, Batch
-from data.config import DataConfig
 
+# The special tokens; ids up to RECALL_SPECIAL_TOKENS - 1 are reserved, keys start at RECALL_SPECIAL_TOKENS.
 BOS, EOS, QUERY = 1, 2, 3
-FIRST_KEY = 8
 
 
 class RecallTask:
     """An endless, seeded stream of recall batches; batch i depends only on (seed, i), so resuming is
-    restoring the index."""
+    restoring the index. `cfg` has passed conf.schema.data.check_recall for this seq_len and vocab_size."""
 
     def __init__(self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int):
         self.cfg, self.seq_len, self.batch_size, self.seed = cfg, seq_len, batch_size, seed
-        self.first_value = FIRST_KEY + cfg.num_keys
+        self.first_value = RECALL_SPECIAL_TOKENS + cfg.num_keys
         self.first_filler = self.first_value + cfg.num_values
         self.vocab_size = vocab_size
-        check_recall_config(cfg, seq_len, vocab_size)
         self.index = 0
 
     def __iter__(self):
@@ -46,7 +45,7 @@ class RecallTask:
         cfg, length = self.cfg, self.seq_len
         tokens = torch.randint(self.first_filler, self.vocab_size, (length,), generator=generator)
         tokens[0] = BOS
-        keys = FIRST_KEY + torch.randperm(cfg.num_keys, generator=generator)[:cfg.num_pairs]
+        keys = RECALL_SPECIAL_TOKENS + torch.randperm(cfg.num_keys, generator=generator)[:cfg.num_pairs]
         values = self.first_value + torch.randint(0, cfg.num_values, (cfg.num_pairs,), generator=generator)
         query_start = length - 2 * cfg.num_queries
         # Occurrences take disjoint 2-token slots spread over the whole body, in random order.
@@ -73,26 +72,3 @@ class RecallTask:
 
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
-
-
-def check_recall_config(cfg: DataConfig, seq_len: int, vocab_size: int) -> None:
-    """Reject settings the task cannot be generated with, naming what to change."""
-    needed_vocab = FIRST_KEY + cfg.num_keys + cfg.num_values + 1
-    if vocab_size < needed_vocab:
-        raise ValueError(f"data=recall needs model.vocab_size >= {needed_vocab} (8 special tokens + "
-                         f"data.num_keys={cfg.num_keys} + data.num_values={cfg.num_values} + filler), "
-                         f"got {vocab_size}: lower num_keys/num_values or use a larger vocabulary")
-    if cfg.num_pairs > cfg.num_keys:
-        raise ValueError(f"data.num_pairs ({cfg.num_pairs}) must be <= data.num_keys ({cfg.num_keys}): keys "
-                         f"in one sequence are distinct")
-    if not 1 <= cfg.num_queries <= cfg.num_pairs:
-        raise ValueError(f"data.num_queries ({cfg.num_queries}) must be between 1 and data.num_pairs "
-                         f"({cfg.num_pairs})")
-    if cfg.repeats < 1:
-        raise ValueError(f"data.repeats={cfg.repeats} must be at least 1")
-    body = seq_len - 2 * cfg.num_queries - 1
-    occurrences = cfg.num_pairs * cfg.repeats
-    if body // 2 < occurrences:
-        raise ValueError(f"seq_len={seq_len} is too short for data.num_pairs={cfg.num_pairs} x "
-                         f"data.repeats={cfg.repeats} and data.num_queries={cfg.num_queries}: use seq_len >= "
-                         f"{2 * occurrences + 2 * cfg.num_queries + 2} or fewer pairs/repeats")

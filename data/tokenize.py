@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from conf.schema.data import LOSS_ON
 from data.packing import Document
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-LOSS_ON = ("all", "assistant", "last_turn")
 # Any of these marks a directory as holding a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Used when the tokenizer has no chat template: "<|role|>\n" + content + EOS per message, and

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import LlamaConfig
-from offload.config import check_memory_config
+from conf.schema.memory import check_memory as check_memory_config
 from trainer.full_finetune import layout_memory, layouts_to_try, weights_dtype
 
 GIB = 2**30

@@ -52,6 +52,9 @@ def test_types_are_checked():
     ("model.vocab_size=64", "needs model.vocab_size >= "),
     ("model.num_key_value_heads=3", "must be a multiple of model.num_key_value_heads=3"),
     ("train.mode=partial", "train.mode='partial' is not one of"),
+    ("memory.gpu_layers=-1", "memory.gpu_layers=-1 must be at least 0"),
+    ("max_bad_steps=0", "max_bad_steps=0 must be at least 1"),
+    ("optim.grad_accum_steps=0", "optim.grad_accum_steps=0 must be at least 1"),
 ])
 def test_invalid_combinations_name_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -87,3 +90,24 @@ def test_train_py_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path):
     assert "optim.warmup_steps=30 must be below max_steps=3" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_conf_imports_no_other_project_package_nor_hydra():
+    """Any package may import conf cheaply: conf needs none of them, and Hydra/OmegaConf only on use."""
+    import subprocess
+    import sys
+    code = ("import sys, conf.schema, conf.validate; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'kernels', 'data', 'model', 'offload', 'trainer', 'hydra', 'omegaconf'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(CONF_DIR).parent, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_kernels_backend_check(monkeypatch):
+    from conf.schema.job import check_kernels_backend
+    check_kernels_backend("reference")
+    with pytest.raises(ConfigError, match="kernels='cuda' is not one of"):
+        check_kernels_backend("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_kernels_backend("triton")

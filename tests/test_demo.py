@@ -3,8 +3,10 @@ import math
 
 import torch
 
-from data import IGNORE_INDEX, DataConfig, RecallTask
-from data.synthetic import FIRST_KEY, QUERY
+from conf.schema import DataConfig
+from conf.schema.data import RECALL_SPECIAL_TOKENS
+from data import IGNORE_INDEX, RecallTask
+from data.synthetic import QUERY
 from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
 from trainer.loop import train
 
@@ -17,13 +19,14 @@ def recall_batch(seed=0, seq_len=100, batch_size=3):
 
 def test_every_target_is_the_value_filed_under_an_earlier_occurrence_of_its_key():
     batch = recall_batch()
-    first_value = FIRST_KEY + TASK.num_keys
+    first_key = RECALL_SPECIAL_TOKENS
+    first_value = first_key + TASK.num_keys
     for tokens, labels in zip(batch.input_ids.tolist(), batch.labels.tolist()):
         targets = [t for t, label in enumerate(labels) if label != IGNORE_INDEX]
         assert len(targets) == TASK.num_pairs * (TASK.repeats - 1) + TASK.num_queries
         for t in targets:
             key = tokens[t]
-            assert FIRST_KEY <= key < first_value
+            assert first_key <= key < first_value
             earlier = [s for s in range(1, t) if tokens[s] == key and tokens[s - 1] != QUERY]
             assert earlier and all(tokens[s - 1] == labels[t] for s in earlier)
         assert tokens[-2 * TASK.num_queries::2] == [QUERY] * TASK.num_queries

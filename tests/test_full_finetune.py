@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import kernels
-from data import Batch, DataConfig, RecallTask
+from conf.schema import DataConfig, MemoryConfig
+from data import Batch, RecallTask
 from model import Llama, LlamaConfig
-from offload.config import MemoryConfig
 from offload.plan import GIB, Capacity, plan_memory
 from offload.policy import apply_memory_policy
 from trainer.full_finetune import StreamedAdamW, update_units

@@ -269,7 +269,7 @@ def test_policy_matches_plain_autograd_on_cuda():
 
 
 def test_lora_wraps_every_projection_and_freezes_the_base():
-    from offload.config import MemoryConfig
+    from conf.schema import MemoryConfig
     from offload.plan import plan_memory
     from trainer.build import weight_dtype
     model = lora_model()

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conf.schema import MemoryConfig
 from model import LlamaConfig
-from offload.config import MemoryConfig
 from offload.plan import GIB, Capacity, parameter_counts, pinned_size, plan_memory
 
 LLAMA3_8B = LlamaConfig()

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data import Batch, DataConfig, RecallTask
+from conf.schema import DataConfig
+from data import Batch, RecallTask
 from model import Llama
 from trainer.optim import build_optimizer, build_scheduler, lr_multiplier
 from trainer.step import train_step

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 import kernels
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
-from offload.config import check_memory_config
+from conf.schema.memory import check_memory as check_memory_config
 from offload.plan import MemoryPlan, plan_memory
 from offload.policy import apply_memory_policy
 from trainer.full_finetune import weights_dtype

@@ -17,11 +17,10 @@ def update_is_finite(loss: float, grad_norm: float) -> bool:
 
 
 class BadStepCounter:
-    """Counts skipped steps and raises BadStepsError after `limit` consecutive ones."""
+    """Counts skipped steps and raises BadStepsError after `limit` (max_bad_steps, at least 1) consecutive
+    ones."""
 
     def __init__(self, limit: int, skipped_before: int = 0):
-        if limit < 1:
-            raise ValueError(f"max_bad_steps={limit} must be at least 1")
         self.limit, self.skipped, self.consecutive = limit, skipped_before, 0
 
     def record(self, applied: bool) -> None:

@@ -18,8 +18,9 @@ import torch
 from omegaconf import OmegaConf
 
 import kernels
-from conf.validate import resolve_device, validate
-from data import build_data
+from conf.schema.job import resolve_device
+from conf.validate import validate
+from data import build_data, preflight_data
 from model import unwrap_llama
 from trainer.build import build_model, count_parameters
 from trainer.checkpoint import (BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint,
@@ -99,6 +100,7 @@ def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics."""
     validate(cfg)
+    preflight_data(cfg.data, cfg.model.path)
     device = resolve_device(cfg.device)
     kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-MODES = ("offline", "online", "disabled")
 # W&B section of the trainer's own metrics; a source's metric named "section/name" keeps its section.
 SECTIONS = {"loss": "train", "accuracy": "train", "lr": "train", "grad_norm": "train", "tokens_seen": "train",
             "skipped_steps": "train", "applied": "train", "tokens_per_s": "perf", "mfu": "perf", "step_time_s": "perf",

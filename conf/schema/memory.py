@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from conf.errors import ConfigError
+
 
 @dataclass
 class MemoryConfig:
@@ -36,18 +38,18 @@ class MemoryConfig:
     check: bool = True
 
 
-def check_memory_config(memory_cfg) -> None:
-    """Raise ValueError naming the `memory.*` setting that cannot be planned (before any byte is counted)."""
+def check_memory(memory_cfg) -> None:
+    """Raise ConfigError naming the `memory.*` setting that cannot be planned (before any byte is counted)."""
     at_least = {"mlp_tile_tokens": 1, "mlp_tiles": 1, "gpu_layers": 0, "recomputed_inputs": 0,
                 "kept_attention_layers": 0}
     for name, low in at_least.items():
         value = getattr(memory_cfg, name)
         if value is not None and value < low:
             unset = "" if name == "mlp_tile_tokens" else " (or null to let the planner choose)"
-            raise ValueError(f"memory.{name}={value} must be at least {low}{unset}")
+            raise ConfigError(f"memory.{name}={value} must be at least {low}{unset}")
     if not 0.0 <= memory_cfg.pinnable_fraction <= 1.0:
-        raise ValueError(f"memory.pinnable_fraction={memory_cfg.pinnable_fraction} must be within [0, 1]")
+        raise ConfigError(f"memory.pinnable_fraction={memory_cfg.pinnable_fraction} must be within [0, 1]")
     for name in ("gpu_memory_gib", "host_memory_gib"):
         value = getattr(memory_cfg, name)
         if value is not None and value <= 0:
-            raise ValueError(f"memory.{name}={value} must be positive (or null to read this machine's)")
+            raise ConfigError(f"memory.{name}={value} must be positive (or null to read this machine's)")

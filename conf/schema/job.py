@@ -1,0 +1,87 @@
+"""Job-wide settings, those outside the model/data/optim/train/memory groups: sizes, device, kernel
+backend, checkpointing, logging, resume and the NaN/Inf guard; with their checks."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from conf.errors import ConfigError
+
+DEVICES = ("auto", "cuda", "cpu")
+KERNEL_BACKENDS = ("auto", "triton", "reference")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written to <output_dir>/checkpoints/step-<N>/ (0 disables a trigger)."""
+    every_steps: int = 200
+    every_minutes: float = 30.0
+    # Complete checkpoints kept; older ones are deleted only after a newer one is complete. 0 keeps all.
+    keep_last: int = 3
+    # LoRA on a random-init base: save the base once in <output_dir>/base_model/ so scripts/export.py can
+    # merge into it. False skips the copy (export is then refused for the run).
+    save_random_base: bool = True
+
+
+@dataclass
+class WandbConfig:
+    # offline (default: no account needed, `wandb sync <output_dir>/wandb/offline-run-*` later) | online |
+    # disabled. Files go to <output_dir>/wandb/.
+    mode: str = "offline"
+    project: str = "longctx"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Peak bf16 TFLOP/s of the accelerator, the MFU denominator (795 for an H100); no MFU on CPU.
+    peak_tflops: float = 795.0
+    # tqdm progress bar on an interactive terminal; log lines every `log_every` steps either way.
+    progress_bar: bool = True
+
+
+def resolve_device(requested: str) -> torch.device:
+    """The device `device=` names; auto picks CUDA when a GPU is visible."""
+    if requested not in DEVICES:
+        raise ConfigError(f"device={requested!r} is not one of {DEVICES}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA GPU is visible: use device=auto or device=cpu")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def check_kernels_backend(name: str) -> None:
+    """ConfigError when backend `name` is unknown or cannot run here (Triton needs CUDA, or
+    TRITON_INTERPRET=1 to run the kernels through Triton's CPU interpreter)."""
+    if name not in KERNEL_BACKENDS:
+        raise ConfigError(f"kernels={name!r} is not one of {KERNEL_BACKENDS}")
+    if name == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ConfigError(
+            "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
+            "use kernels=auto or kernels=reference on this machine")
+
+
+def check_job(cfg) -> None:
+    """The top-level settings of a composed JobConfig (docs/JOBS.md for checkpointing and the guard)."""
+    for name in ("seq_len", "batch_size", "max_steps", "log_every"):
+        if cfg[name] < 1:
+            raise ConfigError(f"{name}={cfg[name]} must be at least 1")
+    check_kernels_backend(cfg.kernels)
+    resolve_device(cfg.device)
+    for name in ("every_steps", "every_minutes", "keep_last"):
+        if cfg.checkpoint[name] < 0:
+            raise ConfigError(f"checkpoint.{name}={cfg.checkpoint[name]} must be >= 0 (0 disables it)")
+    if cfg.logger.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {WANDB_MODES}")
+    if cfg.logger.peak_tflops <= 0:
+        raise ConfigError(f"logger.peak_tflops={cfg.logger.peak_tflops} must be positive (the accelerator's peak)")
+    if cfg.max_bad_steps < 1:
+        raise ConfigError(f"max_bad_steps={cfg.max_bad_steps} must be at least 1")

@@ -1,0 +1,38 @@
+"""The `train` config group: what is trained, LoRA adapters or every parameter."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from conf.errors import ConfigError
+
+TRAIN_MODES = ("lora", "full")
+# train=full: where weights, gradients and AdamW state live, in the order train.full_state=auto tries them.
+FULL_STATE_LAYOUTS = ("fp32", "bf16", "bf16_host_grads")
+FULL_STATES = ("auto", *FULL_STATE_LAYOUTS)
+
+
+@dataclass
+class TrainConfig:
+    """What is trained: `lora` (adapters through peft, base frozen) or `full` (every parameter)."""
+    mode: str = "lora"
+    # train=full: where weights, gradients and AdamW state live (bytes per parameter; trainer/full_finetune.py):
+    # fp32 (fp32 weights, torch AdamW; 16 on the GPU), bf16 (bf16 weights and moments updated with
+    # stochastic rounding, gradients on the GPU; 8), bf16_host_grads (gradients streamed to pinned host
+    # memory in the backward; 6 on the GPU + 2 on the host). auto: the first that fits this machine.
+    full_state: str = "auto"
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def check_train(train_cfg) -> None:
+    if train_cfg.mode not in TRAIN_MODES:
+        raise ConfigError(f"train.mode={train_cfg.mode!r} is not one of {TRAIN_MODES} "
+                          f"(choose train=lora or train=full)")
+    if train_cfg.full_state not in FULL_STATES:
+        raise ConfigError(f"train.full_state={train_cfg.full_state!r} is not one of {FULL_STATES}")
+    if train_cfg.mode == "lora" and train_cfg.lora_r < 1:
+        raise ConfigError(f"train.lora_r={train_cfg.lora_r} must be at least 1")

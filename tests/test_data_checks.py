@@ -1,0 +1,104 @@
+"""Bad data settings and input: rejected by conf's check or the data preflight before anything is built,
+or by the files source before training; and a files job through the trainer."""
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conf.schema import DataConfig, register_configs
+from conf.schema.data import check_data
+from conf.validate import ConfigError, validate
+from data import DataError, build_data, preflight_data
+from tests.data_support import checkpoint, files_config, text_file, tokenizer  # noqa: F401
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+
+def test_offline_mode_is_on():
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize("path,message", [
+    ("missing.jsonl", "is not an existing file, folder or glob"),
+    ("someorg/some_hub_dataset", "Hub datasets are never downloaded"),
+    ("*.parquet", "matches no data files"),
+    ("notes.csv", "has extension '.csv'"),
+])
+def test_bad_paths_are_rejected_early(path, message, tmp_path, checkpoint):
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=message):
+        preflight_data(files_config(tmp_path / path, tmp_path), str(checkpoint))
+
+
+def test_mixed_file_kinds_are_rejected(tmp_path, checkpoint):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.txt").write_text("x\n")
+    with pytest.raises(DataError, match="mixes file kinds"):
+        preflight_data(files_config(tmp_path, tmp_path), str(checkpoint))
+
+
+def test_file_source_needs_model_path_with_a_tokenizer(text_file, tmp_path):
+    with pytest.raises(ConfigError, match="set model.path="):
+        check_data(files_config(text_file, tmp_path), 16, 64, None)
+    with pytest.raises(DataError, match="has no tokenizer"):
+        preflight_data(files_config(text_file, tmp_path), str(tmp_path))
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"format": "xml"}, "data.format='xml' is not one of"),
+    ({"loss_on": "everything"}, "data.loss_on='everything' is not one of"),
+    ({"num_proc": -1}, "data.num_proc=-1 must be >= 0"),
+])
+def test_bad_file_options_are_config_errors(options, message, text_file, tmp_path, checkpoint):
+    with pytest.raises(ConfigError, match=message):
+        check_data(files_config(text_file, tmp_path, **options), 16, 64, str(checkpoint))
+
+
+def test_file_source_needs_data_path(checkpoint):
+    with pytest.raises(ConfigError, match="data=files needs data.path="):
+        check_data(DataConfig(name="files"), 16, 64, str(checkpoint))
+
+
+def test_tokenizer_larger_than_the_vocabulary(text_file, tmp_path, checkpoint, tokenizer):
+    with pytest.raises(DataError, match=f"has {len(tokenizer)} tokens but the model's vocab_size is 8"):
+        build_data(files_config(text_file, tmp_path), 16, 1, 0, 8, str(checkpoint))
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "holds no records: 1 matching file"),
+    ('{"body": "x"}\n', r"have no field 'text' \(data.text_field\); fields present: \['body'\]"),
+    ("{not json\n", "could not read data.path="),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "record 0, message 0: unknown role 'wizard'"),
+])
+def test_bad_records_fail_before_training(content, message, tmp_path, checkpoint):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
+
+
+def test_all_documents_dropped_is_an_error(text_file, tmp_path, checkpoint):
+    with pytest.raises(DataError, match="no document is left to train on"):
+        build_data(files_config(text_file, tmp_path, long_docs="drop"), 1, 1, 0, 64, str(checkpoint))
+
+
+def job_config(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_validate_reports_data_errors_as_config_errors(text_file):
+    with pytest.raises(ConfigError, match="set model.path="):
+        validate(job_config("data=files", f"data.path={text_file}"))
+
+
+def test_train_runs_on_a_jsonl_file(text_file, tmp_path, checkpoint):
+    from trainer.loop import train
+    cfg = job_config("data=files", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}", "model=tiny",
+                     f"model.path={checkpoint}", "seq_len=16", "batch_size=2", "max_steps=2", "log_every=1",
+                     "optim.warmup_steps=0", "device=cpu", f"output_dir={tmp_path / 'run'}")
+    metrics = train(cfg)
+    assert metrics["step"] == 2 and np.isfinite(metrics["loss"]) and metrics["loss"] > 0

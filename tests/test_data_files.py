@@ -1,0 +1,162 @@
+"""The `files` source on `datasets`: formats, packing stats, shuffling, caching and exact resume."""
+import pytest
+import torch
+
+import data.files
+from data import IGNORE_INDEX, DataError, build_data
+from data.tokenize import tokenize_texts
+from tests.data_support import (CHAT, TEXTS, checkpoint, files_config, text_file, tokenizer,  # noqa: F401
+                                write_jsonl)
+
+
+def collect(stream, count: int) -> list:
+    return [next(stream) for _ in range(count)]
+
+
+def assert_same_batches(first: list, second: list) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_text_jsonl_packs_every_document_once_per_epoch(text_file, tmp_path, checkpoint, tokenizer):
+    stream = build_data(files_config(text_file, tmp_path), seq_len=10, batch_size=1, seed=0, vocab_size=64,
+                        tokenizer_path=str(checkpoint))
+    batches = collect(stream, stream.stats.sequences)
+    seen = sorted(tuple(b.input_ids[0, s:e].tolist()) for b in batches
+                  for s, e in zip(b.cu_seqlens[:-1].tolist(), b.cu_seqlens[1:].tolist()) if b.input_ids[0, s] == 2)
+    expected = sorted(tuple(ids) for ids, _ in tokenize_texts(TEXTS, tokenizer, 2, 3) if ids)
+    assert seen == expected
+    assert stream.state_dict()["epoch"] == 1
+    assert all((b.labels[0] != IGNORE_INDEX).sum() > 0 for b in batches)
+
+
+def test_stats_line_counts_documents_tokens_and_long_documents(text_file, tmp_path, checkpoint, caplog):
+    caplog.set_level("INFO", logger="data.files")
+    stream = build_data(files_config(text_file, tmp_path), seq_len=6, batch_size=1, seed=0, vocab_size=64,
+                        tokenizer_path=str(checkpoint))
+    stats = stream.stats
+    assert (stats.documents, stats.tokens, stats.long_docs.split) == (7, 45, 3)
+    padding = 1 - stats.tokens / (stats.sequences * 6)
+    assert stats.padding_fraction == pytest.approx(padding)
+    assert "7 documents, 45 tokens (mean 6.4 per document" in caplog.text and "3 split, 0 dropped" in caplog.text
+
+
+def test_unpacked_rows_hold_one_document_each(text_file, tmp_path, checkpoint):
+    cfg = files_config(text_file, tmp_path, pack=False, long_docs="truncate")
+    stream = build_data(cfg, seq_len=8, batch_size=7, seed=0, vocab_size=64, tokenizer_path=str(checkpoint))
+    batch = next(stream)
+    assert batch.cu_seqlens is None
+    assert sorted((batch.input_ids != 1).sum(1).tolist()) == [3, 4, 5, 6, 8, 8, 8]   # 9 and 10 truncated
+    assert (batch.labels[batch.input_ids == 1] == IGNORE_INDEX).all()
+    assert stream.stats.long_docs.truncated == 2
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch(text_file, tmp_path, checkpoint):
+    def first_epochs(seed):
+        stream = build_data(files_config(text_file, tmp_path), seq_len=10, batch_size=1, seed=seed, vocab_size=64,
+                            tokenizer_path=str(checkpoint))
+        epoch = stream.stats.sequences
+        return [b.input_ids for b in collect(stream, epoch)], [b.input_ids for b in collect(stream, epoch)]
+    epoch0, epoch1 = first_epochs(seed=1)
+    again0, again1 = first_epochs(seed=1)
+    other0, _ = first_epochs(seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(epoch0 + epoch1, again0 + again1))
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, epoch1))
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, other0))
+
+
+def test_resume_yields_the_identical_next_batches_across_epochs(text_file, tmp_path, checkpoint, monkeypatch):
+    def pipeline():
+        return build_data(files_config(text_file, tmp_path), seq_len=10, batch_size=2, seed=3, vocab_size=64,
+                          tokenizer_path=str(checkpoint))
+    original = pipeline()
+    collect(original, 3)
+    state = original.state_dict()
+    expected = collect(original, 5)          # 16 rows: past the end of the first epoch
+    assert original.state_dict()["epoch"] >= 1
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("re-tokenized on resume")
+    monkeypatch.setattr(data.files, "tokenize_batch", no_tokenizing)
+    resumed = pipeline()
+    resumed.load_state_dict(state)
+    assert_same_batches(collect(resumed, 5), expected)
+
+
+def test_resume_refuses_a_different_plan(text_file, tmp_path, checkpoint):
+    state = build_data(files_config(text_file, tmp_path), 10, 1, 0, 64, str(checkpoint)).state_dict()
+    other = build_data(files_config(text_file, tmp_path), 12, 1, 0, 64, str(checkpoint))
+    with pytest.raises(DataError, match="saved for a different dataset or packing"):
+        other.load_state_dict(state)
+
+
+def test_chat_jsonl_parquet_and_save_to_disk_give_the_same_batches(tmp_path, checkpoint, tokenizer):
+    import datasets
+    records = [{"messages": CHAT}, {"messages": CHAT[1:3]}, {"messages": CHAT[3:]}]
+    jsonl = write_jsonl(tmp_path / "chat.jsonl", records)
+    parquet = tmp_path / "parquet" / "chat.parquet"
+    parquet.parent.mkdir()
+    datasets.Dataset.from_list(records).to_parquet(str(parquet))
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    batches = []
+    for path in (jsonl, parquet.parent, tmp_path / "saved"):
+        stream = build_data(files_config(path, tmp_path), 32, 2, 0, 64, str(checkpoint))
+        batches.append(collect(stream, 2))
+    assert_same_batches(batches[0], batches[1])
+    assert_same_batches(batches[0], batches[2])
+    supervised = {tokenizer.convert_ids_to_tokens(int(i)) for b in batches[0] for i in b.labels[b.labels >= 0]}
+    assert supervised == {"hello", "friend", "see", "you", "</s>"}
+
+
+def test_long_chats_are_dropped_by_default(tmp_path, checkpoint):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": CHAT[1:3]}])
+    stream = build_data(files_config(path, tmp_path), 12, 1, 0, 64, str(checkpoint))
+    assert (stream.stats.documents, stream.stats.long_docs.dropped, stream.stats.sequences) == (2, 1, 1)
+
+
+def test_plain_text_folder_is_one_document_per_file(tmp_path, checkpoint):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for index, text in enumerate(TEXTS[:3]):
+        (folder / f"{index}.txt").write_text(text + "\n")
+    stream = build_data(files_config(folder, tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert (stream.stats.documents, stream.stats.tokens) == (3, 9 + 8 + 3)
+
+
+def test_tokenization_is_cached_and_skipped_on_the_second_run(text_file, tmp_path, checkpoint, monkeypatch):
+    build_data(files_config(text_file, tmp_path), 10, 1, 0, 64, str(checkpoint))
+    monkeypatch.setattr(data.files, "tokenize_batch", lambda *a, **k: pytest.fail("tokenized twice"))
+    build_data(files_config(text_file, tmp_path), 10, 1, 0, 64, str(checkpoint))
+    changed = files_config(text_file, tmp_path, add_eos=False)
+    with pytest.raises(pytest.fail.Exception, match="tokenized twice"):
+        build_data(changed, 10, 1, 0, 64, str(checkpoint))
+
+
+def test_several_tokenizing_processes_give_the_same_documents(text_file, tmp_path, checkpoint):
+    one = build_data(files_config(text_file, tmp_path), 10, 2, 0, 64, str(checkpoint))
+    two = build_data(files_config(text_file, tmp_path / "other", num_proc=2), 10, 2, 0, 64, str(checkpoint))
+    assert one.documents["input_ids"][:] == two.documents["input_ids"][:]
+
+
+def test_document_lengths_are_read_as_whole_arrow_columns(monkeypatch):
+    """Planning reads the length/target columns in one Arrow read: datasets' lazy Column read row by row
+    took ~30 s per million documents, at every start and resume."""
+    import datasets
+    import datasets.arrow_dataset
+    lengths = [3, 0, 7, 12, 5] * 200
+    documents = datasets.Dataset.from_dict({
+        "input_ids": [list(range(n)) for n in lengths], "is_target": [[True] * n for n in lengths],
+        "length": lengths, "targets": [max(n - 1, 0) for n in lengths]}).select(range(999, -1, -1))
+
+    def row_by_row(*args, **kwargs):
+        raise AssertionError("a column was read row by row")
+    monkeypatch.setattr(datasets.arrow_dataset.Column, "__getitem__", row_by_row)
+    monkeypatch.setattr(datasets.arrow_dataset.Column, "__iter__", row_by_row)
+    stream = data.files.PackedDocuments(documents, seq_len=10, batch_size=2, seed=0, pack=True, long_docs="split",
+                                        pad_id=0)
+    assert (stream.stats.documents, stream.stats.tokens, stream.stats.targets) == (800, 5400, 4600)
+    assert sorted(stream.pieces[:, 0].tolist())[:5] == [0, 1, 1, 2, 4]   # lengths 5, 12 (split), 7, 0, 3
+    assert stream.pieces[stream.pieces[:, 0] == 996].tolist() == [[996, 0, 10], [996, 10, 12]]
+    assert next(stream).num_tokens == 20
