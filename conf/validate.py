@@ -7,12 +7,13 @@ import torch
 
 import data
 import kernels
-from trainer import full_finetune
+from offload import state_layouts
+from offload.config import check_memory_config
 from trainer.wandb_run import MODES as WANDB_MODES
 
 DEVICES = ("auto", "cuda", "cpu")
 TRAIN_MODES = ("lora", "full")
-FULL_STATES = ("auto", *full_finetune.LAYOUTS)
+FULL_STATES = ("auto", *state_layouts.LAYOUTS)
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,7 @@ def validate(cfg) -> None:
     validate_job_settings(cfg)
     try:
         data.check_data_config(cfg.data, cfg.seq_len, cfg.model.vocab_size, tokenizer_path=cfg.model.path)
+        check_memory_config(cfg.memory)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 
