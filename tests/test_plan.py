@@ -32,7 +32,7 @@ def test_parameter_counts_of_llama3_8b():
 
 
 def test_pinned_buffers_round_to_powers_of_two():
-    assert pinned_size(2**30) == 2**30 and pinned_size(2**30 + 1) == 2**31
+    assert pinned_size(GIB) == GIB and pinned_size(GIB + 1) == 2 * GIB
 
 
 def test_short_sequences_keep_every_input_on_the_gpu():
