@@ -1,6 +1,6 @@
 """Asynchronous device<->host copies into a pinned buffer pool that is allocated once and reused.
 
-Reusable alone (the full-fine-tuning path keeps optimizer states in it too):
+Reusable alone (trainer.streamed_adamw keeps full fine-tuning's gradients in one too):
 
     engine = CopyEngine(torch.device("cuda"))
     stored = engine.to_host("layer3", x)          # returns at once; the copy runs on engine.stream
@@ -9,14 +9,21 @@ Reusable alone (the full-fine-tuning path keeps optimizer states in it too):
     y = back.wait()                               # the current stream waits for the copy, not the host
 
 Pinning costs ~0.6 s/GiB, so a buffer is allocated the first time its key is seen and reused for every
-later copy under that key (it grows only if a larger tensor arrives). On CPU the same API copies
-host-to-host synchronously, so the callers' logic runs and is tested without CUDA.
+later copy under that key (it grows only if a larger tensor arrives). Many small tensors share one
+buffer carved into views (`PinnedPool.carve`), since the pinned allocator rounds every allocation up to a
+power of two; `copy_to_host` copies into such a view. On CPU the same API copies host-to-host
+synchronously, so the callers' logic runs and is tested without CUDA.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from offload.units import GIB
+
+# Carved views start on this boundary, so every copy is aligned for the DMA engine.
+ALIGNMENT = 64
 
 
 class PinnedPool:
@@ -34,9 +41,23 @@ class PinnedPool:
             self.buffers[key] = buffer
         return buffer[:nbytes]
 
+    def carve(self, key: object, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One buffer under `key` carved into a view shaped and typed like each of `likes`, each starting on
+        an ALIGNMENT boundary: one allocation instead of one per tensor, each rounded up to a power of two."""
+        offsets, total = [], 0
+        for like in likes:
+            offsets.append(total)
+            total += -(-_nbytes(like) // ALIGNMENT) * ALIGNMENT
+        buffer = self.get(key, total)
+        return [_typed_view(buffer[start:start + _nbytes(like)], like) for like, start in zip(likes, offsets)]
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _typed_view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -85,8 +106,13 @@ class CopyEngine:
         self.stats = CopyStats()
 
     def to_host(self, key: object, tensor: torch.Tensor) -> HostCopy:
-        nbytes = tensor.numel() * tensor.element_size()
-        host = _typed_view(self.pool.get(key, nbytes), tensor)
+        """Copy `tensor` into the pool buffer of `key`."""
+        return self.copy_to_host(_typed_view(self.pool.get(key, _nbytes(tensor)), tensor), tensor)
+
+    def copy_to_host(self, host: torch.Tensor, tensor: torch.Tensor) -> HostCopy:
+        """Copy `tensor` into `host`, pool memory shaped like it (a carved view); the caller may drop
+        `tensor` at once."""
+        nbytes = _nbytes(tensor)
         self.stats.d2h_bytes += nbytes
         if not self.cuda:
             host.copy_(tensor)
@@ -99,7 +125,7 @@ class CopyEngine:
         return HostCopy(host, tensor.device)
 
     def to_device(self, stored: HostCopy) -> PendingTensor:
-        nbytes = stored.host.numel() * stored.host.element_size()
+        nbytes = _nbytes(stored.host)
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
             return PendingTensor(stored.host.clone(), None, self)
@@ -140,8 +166,8 @@ class CopyEngine:
     def take_stats(self) -> dict[str, float]:
         """Copy volume, speed and how much of it was hidden behind compute since the last call."""
         stats, self.stats = self.stats, CopyStats()
-        result = {"offload/pinned_gib": self.pool.nbytes / 2**30,
-                  "offload/d2h_gib": stats.d2h_bytes / 2**30, "offload/h2d_gib": stats.h2d_bytes / 2**30}
+        result = {"offload/pinned_gib": self.pool.nbytes / GIB,
+                  "offload/d2h_gib": stats.d2h_bytes / GIB, "offload/h2d_gib": stats.h2d_bytes / GIB}
         if not stats.timings:
             return result
         torch.cuda.synchronize(self.device)

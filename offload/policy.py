@@ -4,10 +4,10 @@
 (the model code knows nothing of this) and the MLPs' `forward`. Per decoder layer, only its input survives
 the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the next layer
 computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" / "recompute"
-placements). The
-backward of layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
-layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
-reentrant checkpointing.
+placements). The backward of layer i waits for its input, starts the host-to-GPU copy of the one needed
+next, recomputes layer i with grad and back-propagates through it; LoRA parameters accumulate their
+gradients there, as in reentrant checkpointing. Host buffers are pinned at the planner's sizes
+(`pin_buffers`).
 
 Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
 log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
@@ -23,6 +23,7 @@ from torch import nn
 
 from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
+from offload.byte_model import Shape
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
 PLACEMENTS = ("gpu", "host", "recompute")
@@ -132,7 +133,7 @@ def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
 @dataclass(eq=False)
 class StoredInput:
     placement: str
-    payload: torch.Tensor | HostCopy | PendingTensor | None
+    payload: Payload | None
     replay: ReplayState
     # "recompute": the token of the layer below's record, kept by the same forward, this input is rebuilt from.
     below: object | None = None
@@ -297,19 +298,16 @@ class MemoryPolicy:
             layer.mlp.__dict__.pop("forward", None)
         self.engine.pool.buffers.clear()
 
-    def pin_buffers(self, batch_size: int, seq_len: int, dtype: torch.dtype) -> None:
-        """Allocate the pinned buffers of the host-placed inputs now (~0.6 s/GiB), not in the first step."""
+    def pin_buffers(self, shape: Shape) -> None:
+        """Allocate the pinned buffers of the host-placed inputs and attention outputs now (~0.6 s/GiB), not
+        in the first step, at the sizes the planner counted them with (`MemoryPlan.shape`)."""
         if self.store is None:
             return
-        cfg, tokens = self.decoder.cfg, batch_size * seq_len
-        nbytes = tokens * cfg.hidden_size * dtype.itemsize
-        attention_bytes = (tokens * cfg.num_attention_heads * cfg.head_dim * dtype.itemsize,  # output
-                           tokens * cfg.num_attention_heads * 4)                               # fp32 lse
         for index, placement in enumerate(self.store.placements):
             if placement == "host":
-                self.engine.pool.get(input_key(index), nbytes)
+                self.engine.pool.get(input_key(index), shape.activation)
             if self.store.attention[index] == "host":
-                for part, size in enumerate(attention_bytes):
+                for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
@@ -342,13 +340,9 @@ class MemoryPolicy:
         return self.engine.take_stats()
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The LlamaModel inside a Llama, possibly wrapped by peft."""
-    return unwrap_llama(model).model
-
-
 def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,
                         device: torch.device, attention: list[str] | None = None) -> MemoryPolicy:
     """Install checkpointing (placements per layer, None = off), kept attention outputs (per layer, None =
     none) and MLP tiling (tiles > 1) on `model`."""
-    return MemoryPolicy(decoder_of(model), placements, mlp_tiles, device, attention).install()
+    decoder = unwrap_llama(model).model        # the LlamaModel inside a Llama, possibly wrapped by peft
+    return MemoryPolicy(decoder, placements, mlp_tiles, device, attention).install()

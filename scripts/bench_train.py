@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from offload.plan import GIB  # noqa: E402
+from offload.units import GIB  # noqa: E402
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -49,6 +50,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
 
     import kernels
     from conf.schema import register_configs
+    from conf.validate import validate
     from model import unwrap_llama
     from trainer.build import build_model
     from trainer.optim import build_optimizer
@@ -58,10 +60,12 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
+    validate(cfg)
     kernels.set_backend(cfg.kernels)
     device = torch.device("cuda")
-    model = build_model(cfg, device)
-    optimizer = build_optimizer(model, cfg.optim)
+    built = build_model(cfg, device)
+    model, plan = built.model, built.plan
+    optimizer = build_optimizer(model, cfg.optim, plan.full_state)
     lm = unwrap_llama(model)
 
     def step(input_ids, labels):
@@ -74,14 +78,13 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
         return loss
 
     pin_start = time.perf_counter()
-    model.memory_policy.pin_buffers(1, seq_len, torch.bfloat16)
-    plan = model.memory_plan
+    built.policy.pin_buffers(plan.shape)
     info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
                      "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "host_peak_gib": plan.host_peak / GIB}}
-    return lm.config, step, model.memory_policy.stats, info
+    return lm.config, step, built.policy.stats, info
 
 
 def build_peer(seq_len: int, overrides: list[str]):
@@ -127,7 +130,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
 
-    from offload.plan import parameter_counts
+    from offload.byte_model import parameter_counts
     from trainer.metrics import step_flops
 
     started = time.perf_counter()

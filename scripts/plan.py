@@ -13,6 +13,7 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
+from conf.schema.memory import check_memory  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
@@ -22,6 +23,7 @@ register_configs()
 def main(cfg) -> None:
     device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
     try:
+        check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked
         plan = plan_for(cfg, device)
     except ValueError as error:   # bad settings, or no GPU to read capacities from
         print(f"cannot plan: {error}", file=sys.stderr)

@@ -11,9 +11,12 @@ import kernels
 from conf.schema import DataConfig, MemoryConfig
 from data import Batch, RecallTask
 from model import Llama, LlamaConfig
-from offload.plan import GIB, Capacity, plan_memory
+from conf.schema.memory import MemoryConfig
+from offload.byte_model import Capacity
+from offload.plan import plan_memory
 from offload.policy import apply_memory_policy
-from trainer.full_finetune import StreamedAdamW, update_units
+from offload.units import GIB
+from trainer.streamed_adamw import StreamedAdamW, update_units
 from trainer.optim import build_optimizer
 from trainer.step import train_step
 
@@ -40,8 +43,7 @@ def tiny_model(dtype=torch.float32, tiles=3, **arch):
 
 
 def streamed(model, grads_on_host=True, cfg=OPTIM):
-    model.memory_plan = SimpleNamespace(full_state="bf16_host_grads" if grads_on_host else "bf16")
-    return build_optimizer(model, cfg)
+    return build_optimizer(model, cfg, "bf16_host_grads" if grads_on_host else "bf16")
 
 
 def batches(count, batch_size=2, seq_len=64, seed=0):
@@ -69,7 +71,7 @@ def assert_same_parameters(model, reference, atol=1e-5):
 @pytest.mark.parametrize("grads_on_host", [True, False])
 def test_matches_torch_adamw_with_accumulation_and_exact_clipping(grads_on_host):
     reference, model = tiny_model(), tiny_model()
-    expected = run_steps(reference, build_optimizer(reference, OPTIM), steps=3)
+    expected = run_steps(reference, build_optimizer(reference, OPTIM, None), steps=3)
     optimizer = streamed(model, grads_on_host)
     assert isinstance(optimizer, StreamedAdamW)
     measured = run_steps(model, optimizer, steps=3)
@@ -99,7 +101,7 @@ def test_tied_embeddings_and_a_parameter_without_gradient_match_torch_adamw(grad
     reference, model = (tiny_model(tiles=2, num_hidden_layers=2, tie_word_embeddings=True) for _ in range(2))
     for m in (reference, model):
         m.unused = torch.nn.Parameter(torch.ones(4, 4))
-    expected = run_steps(reference, build_optimizer(reference, OPTIM), steps=2)
+    expected = run_steps(reference, build_optimizer(reference, OPTIM, None), steps=2)
     optimizer = streamed(model, grads_on_host)
     measured = run_steps(model, optimizer, steps=2)
     assert [r.grad_norm for r in measured] == pytest.approx([r.grad_norm for r in expected], rel=1e-5)
@@ -172,7 +174,7 @@ def test_bf16_stochastic_rounding_tracks_fp32_adamw_on_the_demo():
     of torch AdamW on fp32 weights, and the task is learned (far below chance, ln 16 = 2.77)."""
     cfg = SimpleNamespace(**{**vars(OPTIM), "weight_decay": 0.0})
     reference = tiny_model(tiles=1, num_hidden_layers=2)
-    expected = demo_losses(reference, build_optimizer(reference, cfg))
+    expected = demo_losses(reference, build_optimizer(reference, cfg, None))
     model = tiny_model(torch.bfloat16, tiles=1, num_hidden_layers=2)
     measured = demo_losses(model, streamed(model, cfg=cfg))
     final_expected, final_measured = sum(expected[-30:]) / 30, sum(measured[-30:]) / 30

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import kernels
 from model import Llama, LlamaConfig
-from offload.engine import CopyEngine
+from offload.engine import ALIGNMENT, CopyEngine
 from offload.policy import LayerInputStore, apply_memory_policy
 from trainer.build import apply_lora
 
@@ -130,6 +130,20 @@ def test_pinned_pool_is_allocated_once():
     assert len(buffers) == 4 and policy.engine.pool.nbytes == 4 * input_ids.numel() * TINY["hidden_size"] * 4
     stats = policy.stats()
     assert stats["offload/d2h_gib"] == stats["offload/h2d_gib"] > 0
+
+
+def test_carved_views_share_one_aligned_buffer():
+    """Many small tensors in one allocation (the pinned allocator rounds each up to a power of two), each
+    view typed and shaped like its tensor, starting on an ALIGNMENT boundary, and copied to and back."""
+    engine = CopyEngine(torch.device("cpu"))
+    likes = [torch.arange(3, dtype=torch.bfloat16), torch.randn(2, 5), torch.tensor(7.0, dtype=torch.float64)]
+    views = engine.pool.carve("gradients", likes)
+    buffer = engine.pool.buffers["gradients"]
+    assert len(engine.pool.buffers) == 1 and engine.pool.nbytes == 3 * ALIGNMENT
+    for view, like in zip(views, likes):
+        assert view.dtype == like.dtype and view.shape == like.shape
+        assert (view.data_ptr() - buffer.data_ptr()) % ALIGNMENT == 0
+        assert torch.equal(engine.to_device(engine.copy_to_host(view, like)).wait(), like)
 
 
 def test_second_forward_before_backward_is_refused():

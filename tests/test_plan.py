@@ -9,7 +9,10 @@ import torch
 
 from conf.schema import MemoryConfig
 from model import LlamaConfig
-from offload.plan import GIB, Capacity, parameter_counts, pinned_size, plan_memory
+from conf.schema.memory import MemoryConfig, check_memory
+from offload.byte_model import Capacity, parameter_counts, pinned_size
+from offload.plan import plan_memory
+from offload.units import GIB
 
 LLAMA3_8B = LlamaConfig()
 LORA = SimpleNamespace(mode="lora", lora_r=16, lora_target_modules=[
@@ -30,7 +33,7 @@ def test_parameter_counts_of_llama3_8b():
 
 
 def test_pinned_buffers_round_to_powers_of_two():
-    assert pinned_size(2**30) == 2**30 and pinned_size(2**30 + 1) == 2**31
+    assert pinned_size(GIB) == GIB and pinned_size(GIB + 1) == 2 * GIB
 
 
 def test_short_sequences_keep_every_input_on_the_gpu():
@@ -177,7 +180,7 @@ def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
                                             ("host_memory_gib", 0)])
 def test_unplannable_memory_settings_name_the_setting(setting, value):
     with pytest.raises(ValueError, match=f"memory.{setting}={value}"):
-        plan(32768, MemoryConfig(**{setting: value}))
+        check_memory(MemoryConfig(**{setting: value}))
 
 
 def test_tile_advice_unsets_an_explicit_tile_count():
@@ -190,14 +193,13 @@ def test_trainer_names_an_unplannable_memory_setting(setting):
     from hydra import compose, initialize_config_dir
 
     from conf.schema import register_configs
-    from conf.validate import ConfigError
-    from trainer.build import build_model
+    from conf.validate import ConfigError, validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["seq_len=256", setting])
+        cfg = compose("config", overrides=["seq_len=4096", setting])
     with pytest.raises(ConfigError, match=f"{setting} must be at least 0"):
-        build_model(cfg, torch.device("cpu"))
+        validate(cfg)
 
 
 def test_no_attention_output_is_kept_where_the_reference_attention_runs():

@@ -33,7 +33,7 @@ def split(batch: Batch, parts: int) -> list[Batch]:
 def trained_weights(micro_batches: list[Batch]) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = Llama.from_config(TINY)
-    optimizer = build_optimizer(model, OPTIM)
+    optimizer = build_optimizer(model, OPTIM, None)
     result = train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10), grad_clip=0.5,
                         device=torch.device("cpu"))
     assert result.applied and result.supervised == sum(b.num_supervised for b in micro_batches)
@@ -68,7 +68,7 @@ def test_accuracy_covers_every_micro_batch():
     for micro_batches in ([batch], split(batch, 2)):
         torch.manual_seed(0)
         model = Llama.from_config(TINY)
-        optimizer = build_optimizer(model, OPTIM)
+        optimizer = build_optimizer(model, OPTIM, None)
         accuracies.append(train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10),
                                      grad_clip=0.5, device=torch.device("cpu")).accuracy)
     assert accuracies == [pytest.approx(expected), pytest.approx(expected)]
@@ -80,7 +80,7 @@ def test_a_micro_batch_output_is_freed_before_the_next_forward():
     batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
     torch.manual_seed(0)
     model = Llama.from_config(TINY)
-    optimizer = build_optimizer(model, OPTIM)
+    optimizer = build_optimizer(model, OPTIM, None)
     outputs, alive_at_forward = [], []
     model.register_forward_pre_hook(lambda module, args: alive_at_forward.append(
         [ref() is not None for ref in outputs]))

@@ -1,7 +1,8 @@
-"""Turning a validated config into a model on its device."""
+"""Turning a validated config into a model on its device, with the memory plan and policy it was built for."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,10 +11,9 @@ from omegaconf import OmegaConf
 import kernels
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
-from conf.schema.memory import check_memory as check_memory_config
 from offload.plan import MemoryPlan, plan_memory
-from offload.policy import apply_memory_policy
-from trainer.full_finetune import weights_dtype
+from offload.policy import MemoryPolicy, apply_memory_policy
+from offload.state_layouts import weights_dtype
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -28,7 +28,7 @@ def architecture(model_cfg) -> LlamaConfig:
 
 def weight_dtype(train_mode: str, device: torch.device, plan: MemoryPlan) -> torch.dtype:
     """Frozen LoRA bases are stored in bf16 on GPU; fully trained weights take the dtype of the planned
-    state layout (fp32 computes under bf16 autocast; trainer.full_finetune)."""
+    state layout (fp32 computes under bf16 autocast; offload.state_layouts)."""
     if plan.full_state is not None:
         return weights_dtype(plan.full_state)
     return torch.bfloat16 if device.type == "cuda" and train_mode == "lora" else torch.float32
@@ -43,12 +43,8 @@ def model_architecture(cfg) -> LlamaConfig:
 
 
 def plan_for(cfg, device: torch.device) -> MemoryPlan:
-    """The memory plan of `cfg` on `device`; an unplannable `memory.*` setting is a ConfigError."""
+    """The memory plan of a validated `cfg` on `device`."""
     arch = model_architecture(cfg)
-    try:
-        check_memory_config(cfg.memory)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device)
 
 
@@ -65,9 +61,19 @@ def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
     return OmegaConf.merge(cfg.memory, {"kept_attention_layers": 0})
 
 
-def build_model(cfg, device: torch.device) -> torch.nn.Module:
-    """The model with its memory policy installed (`model.memory_policy`, whose `stats()` gives offload
-    metrics). Raises ConfigError before allocating anything when the memory plan does not fit."""
+@dataclass
+class Built:
+    """What `build_model` makes: the model, the memory plan it was built for (with the optimizer-state
+    layout of full fine-tuning, `plan.full_state`) and the memory policy installed on it (its `stats()`
+    gives offload metrics)."""
+    model: torch.nn.Module
+    plan: MemoryPlan
+    policy: MemoryPolicy
+
+
+def build_model(cfg, device: torch.device) -> Built:
+    """The model of a validated `cfg` with its memory policy installed. Raises ConfigError before allocating
+    anything when the memory plan does not fit."""
     plan = plan_for(cfg, device)
     log.info("%s", plan.describe())
     if cfg.memory.check and not plan.fits:
@@ -84,9 +90,8 @@ def build_model(cfg, device: torch.device) -> torch.nn.Module:
         model = apply_lora(model, cfg.train)
         if dtype == torch.bfloat16:
             keep_adapter_inputs_in_bf16(model)
-    model.memory_policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
-    model.memory_plan = plan
-    return model
+    policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
+    return Built(model, plan, policy)
 
 
 def apply_lora(model: Llama, train_cfg) -> torch.nn.Module:

@@ -21,13 +21,14 @@ import kernels
 from conf.schema.job import resolve_device
 from conf.validate import validate
 from data import build_data, preflight_data
-from model import unwrap_llama
-from trainer.build import build_model, count_parameters
+from offload.plan import MemoryPlan
+from offload.units import GIB
+from trainer.build import Built, build_model, count_parameters
 from trainer.checkpoint import (BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint,
                                 save_hf_model)
 from trainer.console import ProgressBar, startup_summary, step_line
 from trainer.guard import BadStepCounter
-from trainer.metrics import (GIB, MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
+from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import checkpoint_to_resume
@@ -59,22 +60,17 @@ def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
         save_hf_model(full_weights(model), model.config.to_hf_dict(), base_dir)
 
 
-def planned_memory(model: torch.nn.Module) -> str:
-    plan = getattr(model, "memory_plan", None)
-    if plan is None:
-        return "none"
-    return (f"{plan.device_label} peak {plan.gpu_peak / GIB:.2f} of {plan.gpu_limit / GIB:.2f} GiB usable, host peak "
-            f"{plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
+def planned_memory(plan: MemoryPlan) -> str:
+    return (f"{plan.device_label} peak {plan.gpu_peak / GIB:.2f} of {plan.capacity.gpu_limit / GIB:.2f} GiB usable, "
+            f"host peak {plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
 
 
-def add_memory_engine_sources(metrics_log: MetricsLog, model: torch.nn.Module, device: torch.device) -> None:
+def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: torch.device) -> None:
     """Per step: the memory engine's offload numbers (pinned GiB, copy GB/s, share of copy time hidden behind
     compute) and, on GPU, the planner's predicted peak to compare with the measured gpu_peak_gib."""
-    policy, plan = getattr(model, "memory_policy", None), getattr(model, "memory_plan", None)
-    if policy is not None:
-        metrics_log.add_source(policy.stats)
-    if plan is not None and device.type == "cuda":
-        metrics_log.add_source(lambda: {"gpu_planned_peak_gib": plan.gpu_peak / GIB})
+    metrics_log.add_source(built.policy.stats)
+    if device.type == "cuda":
+        metrics_log.add_source(lambda: {"gpu_planned_peak_gib": built.plan.gpu_peak / GIB})
 
 
 class CheckpointTimer:
@@ -109,13 +105,13 @@ def train(cfg) -> dict:
     loaded = checkpoint_to_resume(cfg, checkpoints)
     config_yaml = write_resolved_config(cfg, run_dir)
 
-    model = build_model(cfg, device)
+    built = build_model(cfg, device)
+    model = built.model
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
-    embedding = unwrap_llama(model).model.embed_tokens.weight
-    model.memory_policy.pin_buffers(cfg.batch_size, cfg.seq_len, embedding.dtype)
+    built.policy.pin_buffers(built.plan.shape)
     stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
                         tokenizer_path=cfg.model.path)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     keep_random_base(cfg, model, run_dir)
     progress = loaded.progress if loaded else Progress()
@@ -124,7 +120,7 @@ def train(cfg) -> dict:
     if wandb_run:
         progress.wandb_run_id = wandb_run.id
     metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
-    add_memory_engine_sources(metrics_log, model, device)
+    add_memory_engine_sources(metrics_log, built, device)
 
     trainable, total = count_parameters(model)
     sequences = cfg.batch_size * cfg.optim.grad_accum_steps
@@ -137,7 +133,7 @@ def train(cfg) -> dict:
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
-        "memory plan": planned_memory(model),
+        "memory plan": planned_memory(built.plan),
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
     if loaded:

@@ -16,7 +16,7 @@ from typing import Callable
 import psutil
 import torch
 
-from offload.plan import GIB
+from offload.units import GIB
 
 METRICS_FILE = "metrics.jsonl"
 MetricSource = Callable[[], dict]

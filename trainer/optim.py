@@ -5,12 +5,13 @@ import math
 
 import torch
 
-from trainer.full_finetune import StreamedAdamW, update_units
+from trainer.streamed_adamw import StreamedAdamW, update_units
 
 
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg, full_state: str | None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; norms and other 1-D parameters get no weight decay.
-    torch.optim.AdamW, or StreamedAdamW where the memory plan keeps bf16 weights (trainer.full_finetune)."""
+    torch.optim.AdamW, or StreamedAdamW where the memory plan's optimizer-state layout `full_state`
+    (offload.state_layouts; None for LoRA) keeps bf16 weights."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters: check train.mode and train.lora_target_modules")
@@ -18,7 +19,6 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     plain = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    full_state = getattr(getattr(model, "memory_plan", None), "full_state", None)
     if full_state is not None and full_state != "fp32":
         return StreamedAdamW(groups, update_units(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                              grads_on_host=full_state == "bf16_host_grads", device=trainable[0].device)

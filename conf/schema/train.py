@@ -16,7 +16,7 @@ FULL_STATES = ("auto", *FULL_STATE_LAYOUTS)
 class TrainConfig:
     """What is trained: `lora` (adapters through peft, base frozen) or `full` (every parameter)."""
     mode: str = "lora"
-    # train=full: where weights, gradients and AdamW state live (bytes per parameter; trainer/full_finetune.py):
+    # train=full: where weights, gradients and AdamW state live (bytes per parameter; offload/state_layouts.py):
     # fp32 (fp32 weights, torch AdamW; 16 on the GPU), bf16 (bf16 weights and moments updated with
     # stochastic rounding, gradients on the GPU; 8), bf16_host_grads (gradients streamed to pinned host
     # memory in the backward; 6 on the GPU + 2 on the host). auto: the first that fits this machine.

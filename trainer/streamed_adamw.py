@@ -1,14 +1,7 @@
-"""Full fine-tuning where fp32 master weights do not fit: bf16 weights and AdamW moments on the GPU,
-updated with stochastic rounding by a fused kernel (kernels.adamw_update), and bf16 gradients either kept
-on the GPU or streamed to pinned host memory during the backward.
-
-State layouts, bytes per parameter (Llama-3-8B has 8.03e9 parameters, so 1 B/param = 7.5 GiB):
-
-  fp32            fp32 weights + grads + torch AdamW moments, all on the GPU     16 GPU           (120 GiB)
-  bf16            bf16 weights + grads + moments on the GPU                        8 GPU            (60 GiB)
-  bf16_host_grads bf16 weights + moments on the GPU, grads in pinned host memory   6 GPU + 2 host   (45 + 15)
-
-`plan_memory` (offload.plan) takes the first layout of `LAYOUTS` that fits the machine for train.full_state=auto.
+"""StreamedAdamW: full fine-tuning where fp32 master weights do not fit. bf16 weights and AdamW moments on
+the GPU, updated with stochastic rounding by a fused kernel (kernels.adamw_update), and bf16 gradients
+either kept on the GPU (state layout "bf16") or streamed to pinned host memory during the backward
+("bf16_host_grads"; the layouts and their bytes: offload.state_layouts).
 
 How a step runs with `StreamedAdamW`:
   backward: a parameter's post-accumulate-grad hook marks its unit (a decoder layer; any other parameter
@@ -17,7 +10,7 @@ How a step runs with `StreamedAdamW`:
     accumulates its weights' gradients once per tile. So a unit is flushed when a hook of *another* unit
     fires: each gradient (plus, with host gradients, the partial sum of earlier micro-batches, copied
     back and added on the GPU) has its squared L2 norm recorded, and with host gradients is copied to the
-    pinned buffer on a side stream and freed on the GPU.
+    pinned buffer on the side stream of a CopyEngine (offload.engine) and freed on the GPU.
   clip_grad_norm_: flushes the last unit; the global norm is sqrt(sum of the recorded squares), which is
     the norm of the fully accumulated gradient (a re-flushed unit overwrites its entries), so clipping is
     exact, as torch.nn.utils.clip_grad_norm_ (coefficient min(1, max_norm / (norm + 1e-6))).
@@ -35,30 +28,7 @@ from torch import nn
 
 import kernels
 from model import unwrap_llama
-
-LAYOUTS = ("fp32", "bf16", "bf16_host_grads")
-# Host views start on this boundary, so every copy is aligned for the DMA engine.
-ALIGNMENT = 64
-
-
-def layouts_to_try(full_state: str) -> tuple[str, ...]:
-    """The layouts the planner tries, best first: all of them for "auto", else the one asked for."""
-    return LAYOUTS if full_state == "auto" else (full_state,)
-
-
-def weights_dtype(layout: str) -> torch.dtype:
-    return torch.float32 if layout == "fp32" else torch.bfloat16
-
-
-def layout_memory(layout: str, params: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(GPU items, pinned host items) in bytes of `params` trainable parameters under `layout` (host
-    items before the pinned allocator's rounding)."""
-    if layout == "fp32":
-        return {"fp32 weights+grads+adam": 16 * params}, {}
-    gpu = {"bf16 weights": 2 * params, "bf16 adam moments": 4 * params}
-    if layout == "bf16":
-        return gpu | {"bf16 gradients": 2 * params}, {}
-    return gpu, {"pinned gradients": 2 * params}
+from offload.engine import CopyEngine, HostCopy, PendingTensor
 
 
 def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -83,51 +53,22 @@ def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
 
 
 class HostGradients:
-    """Every parameter's gradient in one host buffer (pinned on CUDA, where copies run on a side stream;
-    on CPU the copies are plain and synchronous, so the same logic runs in CPU tests)."""
+    """Every parameter's gradient in one pinned buffer (the planner counts one of 2 B/param), carved into a
+    view per parameter; copies run on the side stream of the engine (plain and synchronous on CPU, so the
+    same logic runs in CPU tests)."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        offsets, total = [], 0
-        for param in params:
-            offsets.append(total)
-            total += -(-param.numel() * param.element_size() // ALIGNMENT) * ALIGNMENT
-        # One buffer: the pinned allocator rounds each allocation up to a power of two.
-        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda)
-        self.views = {param: self.buffer[start:start + param.numel() * param.element_size()]
-                      .view(param.dtype).view(param.shape) for param, start in zip(params, offsets)}
-        self.holding: set[nn.Parameter] = set()      # parameters whose host view holds this step's sum
+        self.engine = CopyEngine(device, timed=False)
+        self.views = dict(zip(params, self.engine.pool.carve("gradients", params)))
+        self.held: dict[nn.Parameter, HostCopy] = {}     # parameters whose host view holds this step's sum
 
     def store(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Copy `grad` into the host view (asynchronously on CUDA); the caller may drop `grad` at once."""
-        self.holding.add(param)
-        if not self.cuda:
-            self.views[param].copy_(grad)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.views[param].copy_(grad, non_blocking=True)
-        grad.record_stream(self.stream)      # its memory is reused only once the copy has read it
+        self.held[param] = self.engine.copy_to_host(self.views[param], grad)
 
-    def load(self, params: list[nn.Parameter]) -> tuple[dict[nn.Parameter, torch.Tensor], object]:
-        """Start copying the held gradients of `params` to the device; returns them and an event that
-        `wait` orders the current stream after."""
-        held = [p for p in params if p in self.holding]
-        if not self.cuda:
-            return {p: self.views[p] for p in held}, None
-        grads = {p: torch.empty_like(p) for p in held}       # owned by the compute stream
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for param, grad in grads.items():
-                grad.copy_(self.views[param], non_blocking=True)
-            done = self.stream.record_event()
-        return grads, done
-
-    @staticmethod
-    def wait(done) -> None:
-        if done is not None:
-            torch.cuda.current_stream().wait_event(done)
+    def load(self, params: list[nn.Parameter]) -> dict[nn.Parameter, PendingTensor]:
+        """Start copying the held gradients of `params` to the device; `wait()` on each gives it."""
+        return {p: self.engine.to_device(self.held[p]) for p in params if p in self.held}
 
 
 class StreamedAdamW(torch.optim.Optimizer):
@@ -167,10 +108,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             grad = param.grad
             if grad is None:
                 continue
-            if self.host is not None and param in self.host.holding:
-                partial, done = self.host.load([param])
-                self.host.wait(done)
-                grad.add_(partial[param])
+            if self.host is not None and param in self.host.held:
+                grad.add_(self.host.load([param])[param].wait())
             self.squared_norms[self.norm_index[param]] = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
             if self.host is not None:
                 self.host.store(param, grad)
@@ -193,7 +132,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self.squared_norms.zero_()
         self.open_unit = None
         if self.host is not None:
-            self.host.holding.clear()
+            self.host.held.clear()
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -205,19 +144,20 @@ class StreamedAdamW(torch.optim.Optimizer):
         group_of = {p: group for group in self.param_groups for p in group["params"]}
         incoming = self._gradients_of(0)
         for index, unit in enumerate(self.units):
-            grads, done = incoming
+            grads = incoming
             if index + 1 < len(self.units):
                 incoming = self._gradients_of(index + 1)      # overlaps this unit's updates
-            HostGradients.wait(done)
             for param in unit:
                 if param in grads:
-                    self._update(param, grads[param], group_of[param])
+                    grad = grads[param]
+                    self._update(param, grad.wait() if isinstance(grad, PendingTensor) else grad, group_of[param])
 
-    def _gradients_of(self, unit: int) -> tuple[dict[nn.Parameter, torch.Tensor], object]:
+    def _gradients_of(self, unit: int) -> dict[nn.Parameter, torch.Tensor | PendingTensor]:
+        """The unit's gradients: on the device, or with host gradients their copies back, started."""
         params = self.units[unit]
         if self.host is not None:
             return self.host.load(params)
-        return {p: p.grad for p in params if p.grad is not None}, None
+        return {p: p.grad for p in params if p.grad is not None}
 
     def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict) -> None:
         state = self.state[param]

@@ -1,0 +1,132 @@
+"""The planner's byte model: what a training step holds on the GPU and the host, counted from the
+architecture and the config before any model exists.
+
+  GPU  = weights + trainable state (params, grads, AdamW moments) + RoPE tables
+         + layer inputs and attention outputs kept on the GPU + the largest transient of the step
+  host = process baseline + pinned layer inputs and attention outputs
+
+The transient is the larger of a decoder layer's backward (recomputed activations, their gradients,
+the next input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final
+hidden states, their gradient and the linear-cross-entropy's chunk budget). Activation counts are in
+units of one [tokens, hidden] tensor and were calibrated against measured peaks on the H100
+(docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host buffers at these sizes
+(`Shape`), so what the plan counts is what is allocated.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from model.config import LlamaConfig
+from offload.units import GIB
+
+# Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
+# input, prefetched next input, recomputed output, norms, q/k/v, attention output and their gradients).
+BACKWARD_ACTIVATIONS = 11.0
+# The loss phase: last hidden state (kept by the final norm), normed copy, its gradient.
+LOSS_ACTIVATIONS = 3.0
+# The fused linear-cross-entropy's temporaries (kernels.fused_linear_ce.DEFAULT_MEMORY_BUDGET + slack).
+LCE_WORKSPACE = 2 * GIB
+# Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, act, product, grads).
+MLP_TILE_INTERMEDIATES = 6
+# CUDA context, cuBLAS workspaces and allocator rounding that max_memory_allocated does not see.
+GPU_RESERVE = 2 * GIB
+# Fraction of the GPU the plan may fill with predicted allocations (fragmentation, prediction error).
+GPU_FILL = 0.94
+# Host memory of the training process without pinned buffers (CUDA libraries, Python, data): 1.48-1.56
+# GiB peak RSS measured by scripts/bench_train.py on the H100 (a real data pipeline adds its own).
+HOST_BASELINE = int(1.5 * GIB)
+# Adam: fp32 param + grad + two moments per trainable parameter.
+TRAINABLE_BYTES = 16
+
+
+@dataclass
+class Capacity:
+    gpu: int
+    host: int
+    pinnable: int
+    # Where "gpu" memory is: on a CPU run the compute device is the host itself.
+    device_type: str = "cuda"
+
+    @classmethod
+    def detect(cls, device: torch.device, memory_cfg) -> "Capacity":
+        host = (memory_cfg.host_memory_gib * GIB if memory_cfg.host_memory_gib is not None
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if memory_cfg.gpu_memory_gib is not None:
+            gpu = memory_cfg.gpu_memory_gib * GIB
+        elif device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("no CUDA GPU is visible: give memory.gpu_memory_gib to plan for one")
+            gpu = torch.cuda.get_device_properties(device).total_memory
+        else:
+            gpu = host    # the "device" is the host itself
+        return cls(int(gpu), int(host), int(host * memory_cfg.pinnable_fraction), device.type)
+
+    @property
+    def gpu_limit(self) -> int:
+        """The GPU bytes a plan may fill with predicted allocations."""
+        return int(self.gpu * GPU_FILL) - GPU_RESERVE
+
+
+def pinned_size(nbytes: int) -> int:
+    """PyTorch's pinned (caching host) allocator rounds each buffer up to a power of two."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
+    """(all parameters, trainable parameters) of the model as the trainer builds it."""
+    d, heads_dim, kv_dim = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
+        arch.num_key_value_heads * arch.head_dim
+    shapes = {"q_proj": (d, heads_dim), "k_proj": (d, kv_dim), "v_proj": (d, kv_dim), "o_proj": (heads_dim, d),
+              "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
+              "down_proj": (arch.intermediate_size, d)}
+    per_layer = sum(i * o for i, o in shapes.values()) + 2 * d
+    embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
+    total = arch.num_hidden_layers * per_layer + embeddings + d
+    if train_cfg.mode != "lora":
+        return total, total
+    lora = arch.num_hidden_layers * sum(train_cfg.lora_r * (i + o) for name, (i, o) in shapes.items()
+                                        if name in train_cfg.lora_target_modules)
+    return total + lora, lora
+
+
+@dataclass
+class Shape:
+    """Sizes the byte model needs."""
+    arch: LlamaConfig
+    tokens: int
+    act_bytes: int          # bytes per activation element (bf16 under autocast with a bf16 base)
+
+    @property
+    def activation(self) -> int:     # one [tokens, hidden] tensor: a layer's input
+        return self.tokens * self.arch.hidden_size * self.act_bytes
+
+    @property
+    def attention_output(self) -> tuple[int, int]:     # one layer's attention output and fp32 lse
+        heads = self.arch.num_attention_heads
+        return self.tokens * heads * self.arch.head_dim * self.act_bytes, self.tokens * heads * 4
+
+    @property
+    def attention_bytes(self) -> int:                 # one layer's kept attention, on the device
+        return sum(self.attention_output)
+
+    @property
+    def attention_pinned_bytes(self) -> int:          # the same in the pool (two power-of-two buffers)
+        return sum(map(pinned_size, self.attention_output))
+
+
+def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict[str, int]:
+    arch, a = shape.arch, shape.activation
+    if not checkpointing:   # plain autograd keeps every layer's activations
+        per_layer = (BACKWARD_ACTIVATIONS - 3 + 3 * arch.intermediate_size / arch.hidden_size) * a
+        return {"all layers' activations": int(arch.num_hidden_layers * per_layer)}
+    attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
+    mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
+    backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile
+    loss = int(LOSS_ACTIVATIONS * a) + LCE_WORKSPACE + shape.tokens * 8
+    if backward >= loss:
+        return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
+                "attention statistics": attention_stats, "MLP tile": mlp_tile}
+    return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}

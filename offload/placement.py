@@ -1,0 +1,107 @@
+"""Where each decoder layer's input and attention output are kept: the placement search of the planner.
+
+Layer inputs first: the first k stay on the GPU, the rest go to pinned host memory, and every other one
+from the top is recomputed instead when the host cannot hold them all. Attention outputs (from the top
+layer down) then take the room left, on the GPU, then on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.byte_model import Shape, pinned_size
+
+
+def _recomputable(layers: int, on_gpu: int) -> range:
+    """Layers whose input may be recomputed, from the top: every other one above the GPU-kept ones (each
+    needs the layer below kept), never layer 0."""
+    return range(layers - 1, on_gpu, -2)
+
+
+def _placements(layers: int, on_gpu: int, recomputed: int) -> list[str]:
+    """First `on_gpu` layers on the GPU; `recomputed` layers from the top, every other one; the rest on
+    the host."""
+    placements = ["gpu"] * on_gpu + ["host"] * (layers - on_gpu)
+    for index in _recomputable(layers, on_gpu)[:recomputed]:
+        placements[index] = "recompute"
+    return placements
+
+
+def max_recomputed(layers: int, on_gpu: int) -> int:
+    return len(_recomputable(layers, on_gpu))
+
+
+def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
+    """Kept attention outputs from the top layer down (the backward's first): `on_gpu` on the GPU, the
+    next `on_host` on the host, none below."""
+    kept = ["gpu"] * on_gpu + ["host"] * on_host
+    return ["none"] * (layers - len(kept)) + kept[::-1]
+
+
+@dataclass
+class KeptLayers:
+    """Where each layer's input and attention output are kept, and what that costs."""
+    placements: list[str]
+    attention: list[str]
+    gpu: dict[str, int]
+    host: dict[str, int]
+
+
+def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host_room: int) -> KeptLayers:
+    """Layer inputs first (the first k on the GPU, the rest on the host, recomputed when the host is full),
+    then attention outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
+    outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
+    which is taken if it keeps more attention outputs without recomputing more inputs."""
+    offload = memory_cfg.offload and device.type == "cuda"
+    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve)
+                  for reserve in ((0, shape.attention_bytes) if offload else (0,))]
+
+    def rank(kept: KeptLayers) -> tuple:
+        # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then fewest
+        # recomputed inputs, then most kept attention outputs; min() keeps the first (no reserve) on ties.
+        overflows = sum(kept.gpu.values()) > room or sum(kept.host.values()) > host_room
+        return overflows, kept.placements.count("recompute"), kept.attention.count("none")
+
+    return min(candidates, key=rank)
+
+
+def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: int, host_room: int,
+                                reserve: int) -> KeptLayers:
+    layers, a = shape.arch.num_hidden_layers, shape.activation
+    # Without CUDA there is nowhere to offload to: the "GPU" is the host.
+    on_gpu = layers if not offload else (
+        memory_cfg.gpu_layers if memory_cfg.gpu_layers is not None else min(layers, max(0, (room - reserve) // a)))
+    on_gpu = min(layers, on_gpu)
+    needed = max(0, layers - on_gpu - host_room // pinned_size(a)) if on_gpu < layers else 0
+    recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
+                  else min(needed, max_recomputed(layers, on_gpu)))
+    placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
+    gpu = {"layer inputs on GPU": placements.count("gpu") * a}
+    host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if placements.count("host") else {}
+    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - gpu["layer inputs on GPU"],
+                                                    host_room - host.get("pinned layer inputs", 0), offload)
+    gpu["attention outputs on GPU"] = attention_gpu * shape.attention_bytes
+    if attention_host:
+        gpu["attention output prefetch"] = shape.attention_bytes
+        host["pinned attention outputs"] = attention_host * shape.attention_pinned_bytes
+    return KeptLayers(placements, _attention_placements(layers, attention_gpu, attention_host), gpu, host)
+
+
+def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, offload: bool) -> tuple[int, int]:
+    """(on GPU, on host) counts of layers whose attention output is kept: all wanted layers that fit the
+    GPU room, the rest in the host room (one GPU slot then goes to prefetching them)."""
+    layers = shape.arch.num_hidden_layers
+    wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
+    per_layer = shape.attention_bytes
+    fit_on_gpu = min(wanted, max(0, gpu_room // per_layer))
+    if fit_on_gpu == wanted:
+        return fit_on_gpu, 0
+    if not offload:      # nowhere else to keep them: an explicit count stays whole, so the plan fails with advice
+        return (fit_on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
+    if gpu_room < per_layer and memory_cfg.kept_attention_layers is None:
+        return fit_on_gpu, 0               # no GPU slot to prefetch host-kept outputs into
+    on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)     # one slot left for the prefetch
+    on_host = wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
+        min(wanted - on_gpu, max(0, host_room) // shape.attention_pinned_bytes)
+    return (on_gpu, on_host) if on_host else (fit_on_gpu, 0)
