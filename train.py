@@ -7,8 +7,8 @@ import hydra
 from conf.schema import register_configs
 from conf.validate import ConfigError
 from data.tokenize import DataError
-from model.checkpoint import CheckpointError as ModelLoadError
-from trainer.checkpoint import CheckpointError
+from model.hf_checkpoint import HFCheckpointError as ModelLoadError
+from trainer.checkpoint_format import CheckpointError
 from trainer.guard import BadStepsError
 from trainer.loop import train
 
