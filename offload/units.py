@@ -1,2 +1,3 @@
-"""Byte units shared by the memory planner, the offload engine and every message that prints sizes."""
+"""The one GiB constant: every byte count shown or configured in GiB converts through it."""
+
 GIB = 2**30
