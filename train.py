@@ -7,14 +7,14 @@ import hydra
 from conf.schema import register_configs
 from conf.validate import ConfigError
 from data.tokenize import DataError
-from model.checkpoint import CheckpointError as ModelLoadError
-from trainer.checkpoint import CheckpointError
+from model.hf_checkpoint import HFCheckpointError
+from trainer.checkpoint_format import CheckpointError
 from trainer.guard import BadStepsError
 from trainer.loop import train
 
 register_configs()
 # Errors whose message already says what is wrong and what to change: shown without a traceback.
-USER_ERRORS = (ConfigError, DataError, ModelLoadError, CheckpointError, BadStepsError)
+USER_ERRORS = (ConfigError, DataError, HFCheckpointError, CheckpointError, BadStepsError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

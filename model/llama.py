@@ -174,5 +174,5 @@ class Llama(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.bfloat16,
                         device: torch.device | str = "cpu") -> "Llama":
-        from model.checkpoint import load_pretrained
+        from model.hf_checkpoint import load_pretrained
         return load_pretrained(cls, path, dtype=dtype, device=device)

@@ -20,10 +20,11 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from model.checkpoint import read_config, weight_files  # noqa: E402
+from model.hf_checkpoint import WEIGHTS_FILE, full_weights, read_config, weight_files  # noqa: E402
 from trainer.build import architecture  # noqa: E402
-from trainer.checkpoint import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, FULL_WEIGHTS, CheckpointError,  # noqa: E402
-                                full_weights, marker_problem, save_hf_model)
+from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
+                                       marker_problem)
+from trainer.disk_space import save_hf_model_if_room  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -62,8 +63,8 @@ def merged_lora(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, t
 def full_model(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     from safetensors.torch import load_file
     config = read_config(Path(cfg.model.path).expanduser()) if cfg.model.path else architecture(cfg.model)
-    weights = load_file(checkpoint / FULL_WEIGHTS)
-    return weights, config.to_hf_dict(), stored_dtype(checkpoint / FULL_WEIGHTS)
+    weights = load_file(checkpoint / WEIGHTS_FILE)
+    return weights, config.to_hf_dict(), stored_dtype(checkpoint / WEIGHTS_FILE)
 
 
 def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
@@ -82,7 +83,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
     weights, config, stored = merged_lora(checkpoint, cfg) if lora else full_model(checkpoint, cfg)
     target = stored if dtype == "auto" else DTYPES[dtype]
     config["torch_dtype"] = str(target).removeprefix("torch.")
-    return save_hf_model({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir)
+    return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir)
 
 
 def main() -> None:

@@ -13,11 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import trainer.checkpoint
+import trainer.disk_space
 from tests.jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
 from model import Llama
+from storage.atomic import atomic_directory
 from trainer.build import architecture
-from trainer.checkpoint import CheckpointError, marker_problem, read_newest
+from trainer.checkpoint_format import CheckpointError, marker_problem
+from trainer.checkpoint_manager import CheckpointManager
 from trainer.loop import train
 
 
@@ -49,7 +51,7 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
 
 def test_too_little_disk_is_a_clear_error_and_keeps_older_checkpoints(tmp_path, monkeypatch):
     train(job_config(tmp_path, "max_steps=2"))
-    monkeypatch.setattr(trainer.checkpoint.shutil, "disk_usage",
+    monkeypatch.setattr(trainer.disk_space.shutil, "disk_usage",
                         lambda path: namedtuple("usage", "total used free")(10 ** 9, 10 ** 9, 10 ** 6))
     with pytest.raises(CheckpointError, match="not enough disk .* GiB are free"):
         train(job_config(tmp_path, "max_steps=3"))
@@ -72,7 +74,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
     train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))
     damage(tmp_path / "checkpoints" / "step-2", how)
     with caplog.at_level(logging.WARNING):
-        assert read_newest(tmp_path / "checkpoints").progress.step == 1
+        assert CheckpointManager(tmp_path / "checkpoints").read_newest().progress.step == 1
     assert "skipping checkpoint" in caplog.text and "step-2" in caplog.text
 
 
@@ -102,7 +104,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
     child.wait(30)
     checkpoints = tmp_path / "checkpoints"
     assert [p.name for p in checkpoints.glob(".tmp-step-2-*")], "the save was not caught midway"
-    assert read_newest(checkpoints).progress.step == 1
+    assert CheckpointManager(checkpoints).read_newest().progress.step == 1
 
     assert train(job_config(tmp_path, "max_steps=3", "checkpoint.every_steps=1"))["step"] == 3
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
@@ -111,7 +113,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
 
 def test_atomic_directory_leaves_nothing_behind_on_error(tmp_path):
     with pytest.raises(RuntimeError):
-        with trainer.checkpoint.atomic_directory(tmp_path / "out") as temp:
+        with atomic_directory(tmp_path / "out") as temp:
             (temp / "half").write_text("x")
             raise RuntimeError("disk gone")
     assert list(tmp_path.iterdir()) == []
@@ -119,18 +121,17 @@ def test_atomic_directory_leaves_nothing_behind_on_error(tmp_path):
 
 def test_full_checkpoint_of_a_tied_model_must_hold_every_weight_but_the_head(tmp_path, monkeypatch):
     """Tied embeddings save no lm_head; any other weight missing is an error, not a silent init value."""
-    import trainer.resume
     settings = ("train=full", "model.tie_word_embeddings=true")
     train(job_config(tmp_path, "max_steps=2", *settings))
-    real_read_newest = trainer.resume.read_newest
+    real_read_newest = CheckpointManager.read_newest
 
-    def without_final_norm(root):
-        loaded = real_read_newest(root)
+    def without_final_norm(manager):
+        loaded = real_read_newest(manager)
         assert "lm_head.weight" not in loaded.weights
         del loaded.weights["model.norm.weight"]
         return loaded
-    monkeypatch.setattr(trainer.resume, "read_newest", without_final_norm)
+    monkeypatch.setattr(CheckpointManager, "read_newest", without_final_norm)
     with pytest.raises(CheckpointError, match=r"missing \['model.norm.weight'\]"):
         train(job_config(tmp_path, "max_steps=3", *settings))
-    monkeypatch.setattr(trainer.resume, "read_newest", real_read_newest)
+    monkeypatch.setattr(CheckpointManager, "read_newest", real_read_newest)
     assert train(job_config(tmp_path, "max_steps=3", *settings))["step"] == 3

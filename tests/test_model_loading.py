@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import CheckpointError, Llama
+from model import HFCheckpointError, Llama
 
 TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, model_type="llama")
@@ -42,43 +42,43 @@ def test_dtype_is_applied(tmp_path):
 
 
 def test_missing_directory_names_the_path(tmp_path):
-    with pytest.raises(CheckpointError, match="nowhere"):
+    with pytest.raises(HFCheckpointError, match="nowhere"):
         Llama.from_pretrained(tmp_path / "nowhere")
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(HFCheckpointError, match="no config.json"):
         Llama.from_pretrained(tmp_path)
 
 
 def test_missing_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(HFCheckpointError, match="no \\*.safetensors"):
         Llama.from_pretrained(tmp_path)
 
 
 def test_missing_shard_named_by_index(tmp_path):
     write_checkpoint(tmp_path, shards=2)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(HFCheckpointError, match="model-00002-of-00002.safetensors"):
         Llama.from_pretrained(tmp_path)
 
 
 def test_missing_tensor_is_listed(tmp_path):
     write_checkpoint(tmp_path, shards=2, with_index=False)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="missing .* tensors"):
+    with pytest.raises(HFCheckpointError, match="missing .* tensors"):
         Llama.from_pretrained(tmp_path)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
     write_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "intermediate_size": 64}))
-    with pytest.raises(CheckpointError, match="mlp.*shape"):
+    with pytest.raises(HFCheckpointError, match="mlp.*shape"):
         Llama.from_pretrained(tmp_path)
 
 
 def test_malformed_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    with pytest.raises(HFCheckpointError, match="not valid JSON"):
         Llama.from_pretrained(tmp_path)

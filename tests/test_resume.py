@@ -10,7 +10,8 @@ import torch
 
 import trainer.loop
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint_format import CheckpointError
+from trainer.checkpoint_manager import CheckpointManager
 from trainer.loop import train
 
 STEPS = 6
@@ -120,18 +121,18 @@ def test_a_resumed_checkpoint_is_released_before_training(tmp_path, monkeypatch)
     import gc
     import weakref
     train(job_config(tmp_path, "max_steps=2"))
-    loaded_weight, restore, step = [], trainer.loop.restore, trainer.loop.train_step
+    loaded_weight, restore, step = [], CheckpointManager.restore, trainer.loop.train_step
 
-    def restore_and_watch(loaded, *args):
+    def restore_and_watch(manager, loaded, *args):
         loaded_weight.append(weakref.ref(next(iter(loaded.weights.values()))))
-        return restore(loaded, *args)
+        return restore(manager, loaded, *args)
 
     def step_after_release(*args):
         gc.collect()
         assert loaded_weight and loaded_weight[0]() is None, "the loaded checkpoint is still referenced"
         return step(*args)
 
-    monkeypatch.setattr(trainer.loop, "restore", restore_and_watch)
+    monkeypatch.setattr(CheckpointManager, "restore", restore_and_watch)
     monkeypatch.setattr(trainer.loop, "train_step", step_after_release)
     train(job_config(tmp_path, "max_steps=3"))
     assert records(tmp_path)[-1]["step"] == 3

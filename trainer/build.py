@@ -37,7 +37,7 @@ def weight_dtype(train_mode: str, device: torch.device, plan: MemoryPlan) -> tor
 def model_architecture(cfg) -> LlamaConfig:
     """The architecture the model will have: the checkpoint's config.json, else the model group."""
     if cfg.model.path:
-        from model.checkpoint import read_config
+        from model.hf_checkpoint import read_config
         return read_config(Path(cfg.model.path).expanduser())
     return architecture(cfg.model)
 

@@ -2,9 +2,9 @@
 
 Run directory (output_dir): config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/, and for
 LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
-trainer.checkpoint (crash-safe checkpoints), trainer.resume (which one to continue from), trainer.signals
-(SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and trainer.console
-(what is recorded and shown).
+trainer.checkpoint_manager (crash-safe checkpoints), trainer.resume (which one to continue from),
+trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and
+trainer.console (what is recorded and shown).
 """
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ import kernels
 from conf.schema.job import resolve_device
 from conf.validate import validate
 from data import build_data, preflight_data
+from model.hf_checkpoint import full_weights, is_lora
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.build import Built, build_model, count_parameters
-from trainer.checkpoint import (BASE_MODEL_DIR, Progress, full_weights, is_lora, prune, restore, save_checkpoint,
-                                save_hf_model)
+from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
+from trainer.checkpoint_manager import CheckpointManager
 from trainer.console import ProgressBar, startup_summary, step_line
+from trainer.disk_space import save_hf_model_if_room
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -37,7 +39,6 @@ from trainer.step import train_step
 from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
-CHECKPOINTS_DIR = "checkpoints"
 
 
 def seed_everything(seed: int) -> None:
@@ -57,7 +58,7 @@ def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
     """A LoRA adapter is only usable with its base: keep a random-init base once, for scripts/export.py."""
     base_dir = run_dir / BASE_MODEL_DIR
     if is_lora(model) and not cfg.model.path and cfg.checkpoint.save_random_base and not base_dir.is_dir():
-        save_hf_model(full_weights(model), model.config.to_hf_dict(), base_dir)
+        save_hf_model_if_room(full_weights(model), model.config.to_hf_dict(), base_dir)
 
 
 def planned_memory(plan: MemoryPlan) -> str:
@@ -73,25 +74,6 @@ def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: tor
         metrics_log.add_source(lambda: {"gpu_planned_peak_gib": built.plan.gpu_peak / GIB})
 
 
-class CheckpointTimer:
-    """When the next periodic checkpoint is due: every `every_steps` steps or `every_minutes` minutes.
-
-    A multiple of `every_steps` passed without a save (its step was skipped as NaN/Inf, and periodic saves
-    wait for a good step) keeps the save due until it happens, instead of dropping it until the next multiple.
-    """
-
-    def __init__(self, every_steps: int, every_minutes: float, last_saved_step: int = 0):
-        self.every_steps, self.every_seconds = every_steps, every_minutes * 60
-        self.last, self.last_step = time.monotonic(), last_saved_step
-
-    def due(self, step: int) -> bool:
-        by_steps = self.every_steps > 0 and step // self.every_steps > self.last_step // self.every_steps
-        return by_steps or (self.every_seconds > 0 and time.monotonic() - self.last >= self.every_seconds)
-
-    def saved(self, step: int) -> None:
-        self.last, self.last_step = time.monotonic(), step
-
-
 def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics."""
@@ -101,7 +83,7 @@ def train(cfg) -> dict:
     kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
-    checkpoints = run_dir / CHECKPOINTS_DIR
+    checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = checkpoint_to_resume(cfg, checkpoints)
     config_yaml = write_resolved_config(cfg, run_dir)
 
@@ -138,10 +120,10 @@ def train(cfg) -> dict:
     })
     if loaded:
         # Last, so the RNG streams continue exactly where the checkpoint left them.
-        restore(loaded, model, optimizer, scheduler, stream)
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream)
 
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
-    timer = CheckpointTimer(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, progress.step)
+    checkpoints.restart_interval(progress.step)
     last_checkpoint = loaded.path if loaded else None
     del loaded      # applied: free its copy of the weights and optimizer state before training
     bar = ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar)
@@ -173,12 +155,9 @@ def train(cfg) -> dict:
                 stopping = stop.requested    # read once: a signal arriving later is served after the next step
                 # A skipped step left the weights untouched, so saving after it is safe; periodic saves
                 # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
-                if stopping or step == cfg.max_steps or (result.applied and timer.due(step)):
+                if stopping or step == cfg.max_steps or (result.applied and checkpoints.due(step)):
                     saving = time.perf_counter()
-                    last_checkpoint = save_checkpoint(checkpoints, model, optimizer, scheduler, stream,
-                                                      progress, config_yaml)
-                    prune(checkpoints, cfg.checkpoint.keep_last)
-                    timer.saved(step)
+                    last_checkpoint = checkpoints.save(model, optimizer, scheduler, stream, progress, config_yaml)
                     bar.write(f"checkpoint {last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
                 if stopping:
                     bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import (CheckpointError, LoadedCheckpoint, complete_checkpoints, read_checkpoint, read_newest,
-                                step_of)
+from trainer.checkpoint_format import CheckpointError, LoadedCheckpoint, step_of
+from trainer.checkpoint_manager import CheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def check_same_run(loaded: LoadedCheckpoint, cfg) -> None:
         f"resume_force=true to continue anyway.")
 
 
-def refuse_overwrite(checkpoints: Path, resumed_step: int | None, cfg) -> None:
+def refuse_overwrite(checkpoints: CheckpointManager, resumed_step: int | None, cfg) -> None:
     """A new run, or a resume from an older step, would overwrite and prune the checkpoints already in
     the run directory; refuse instead of losing them."""
-    newer = [d for d in complete_checkpoints(checkpoints) if resumed_step is None or step_of(d) > resumed_step]
+    newer = [d for d in checkpoints.complete() if resumed_step is None or step_of(d) > resumed_step]
     if not newer:
         return
     what = "starting fresh" if resumed_step is None else f"resuming from step {resumed_step}"
@@ -63,20 +63,20 @@ def refuse_overwrite(checkpoints: Path, resumed_step: int | None, cfg) -> None:
         f"directories), or resume=auto to continue from the newest.")
 
 
-def checkpoint_to_resume(cfg, checkpoints: Path) -> LoadedCheckpoint | None:
+def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoint | None:
     """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run."""
     setting = str(cfg.resume).strip()
     if setting.lower() in FRESH:
         refuse_overwrite(checkpoints, None, cfg)
         return None
     if setting.lower() == "auto":
-        loaded = read_newest(checkpoints)
+        loaded = checkpoints.read_newest()
         if loaded is None:
             log.info("resume=auto: no checkpoint in %s, starting a new run (pass output_dir=<run dir> of an "
-                     "earlier job to continue it)", checkpoints)
+                     "earlier job to continue it)", checkpoints.root)
             return None
     else:
-        loaded = read_checkpoint(Path(setting))
+        loaded = checkpoints.read(Path(setting))
         refuse_overwrite(checkpoints, loaded.progress.step, cfg)
     check_same_run(loaded, cfg)
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,

@@ -1,0 +1,120 @@
+"""Hugging Face model directories (config.json + safetensors): loading a local Llama checkpoint, and
+writing our model as one that transformers loads (the export)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import LlamaConfig
+from model.llama import unwrap_llama
+from storage.atomic import atomic_directory
+
+# The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older checkpoints carry; we recompute them.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face model directory that is missing, incomplete or does not match the model."""
+
+
+def read_config(path: Path) -> LlamaConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
+                              f"(config.json and *.safetensors)")
+    try:
+        values = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise HFCheckpointError(f"{config_file} is not valid JSON: {error}") from error
+    if values.get("model_type", "llama") != "llama":
+        raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
+    return LlamaConfig.from_dict(values)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files named by the index, or every *.safetensors file when there is no index."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise HFCheckpointError(f"{index} names shard files that are missing from {path}: {missing}")
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HFCheckpointError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not "
+                              f"supported: convert them with save_pretrained(safe_serialization=True))")
+    return files
+
+
+def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str):
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise HFCheckpointError(f"model path {str(path)!r} is not a directory: give model.path=<local HF "
+                              f"checkpoint directory>")
+    cfg = read_config(path)
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = dict(model.state_dict(keep_vars=True))
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
+                tensor = shard.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                          f"config.json implies {tuple(expected[name].shape)}")
+                state[name] = tensor.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise HFCheckpointError(f"checkpoint {path} is missing {len(missing)} tensors: {shown}")
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    model.tie_weights()
+    return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` is wrapped by peft (its own weights are then the adapters, not the base)."""
+    return hasattr(model, "peft_config")
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our Llama's weights under Hugging Face names, without a tied head (safetensors stores each tensor
+    once). For a peft model: the frozen base, without the adapters."""
+    lora = is_lora(model)
+    llama = unwrap_llama(model)
+    weights = {}
+    for name, tensor in llama.state_dict().items():
+        if lora and "lora_" in name:
+            continue
+        weights[name.replace(".base_layer.", ".")] = tensor.detach().contiguous()
+    if llama.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """`weights` as <directory>/model.safetensors, in the format transformers reads."""
+    save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path) -> Path:
+    """A Hugging Face model directory (config.json + model.safetensors), written atomically."""
+    with atomic_directory(directory) as temp:
+        save_weights(weights, temp)
+        (temp / "config.json").write_text(json.dumps(config, indent=1))
+    return directory

@@ -1,0 +1,138 @@
+"""One training checkpoint on disk, <run dir>/checkpoints/step-<N>/: what it holds, writing and reading it,
+and the COMPLETE marker that tells a complete one from an interrupted save.
+
+Contents: the trainable weights (LoRA: peft's adapter format in adapter/, loadable with
+peft.PeftModel.from_pretrained; full fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
+scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
+and config.yaml (the resolved config of the run). The COMPLETE marker, written last, lists every file and
+its size; a directory without a valid marker is incomplete and never resumed from.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weights
+from storage.atomic import atomic_write_text
+from trainer.rng_state import capture_rng_state
+
+CHECKPOINTS_DIR = "checkpoints"
+# In the run directory, not per checkpoint: the random-init base of a LoRA run, kept once for export.
+BASE_MODEL_DIR = "base_model"
+STEP_PREFIX = "step-"
+COMPLETE_MARKER = "COMPLETE"
+ADAPTER_DIR = "adapter"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.pt"
+PROGRESS_FILE = "progress.json"
+CONFIG_FILE = "config.yaml"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the path and what to do."""
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved as progress.json."""
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    wandb_run_id: str | None = None
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read and checked in CPU memory, not yet applied to a model."""
+    path: Path
+    progress: Progress
+    config_yaml: str
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    trainer_state: dict
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{STEP_PREFIX}{step}"
+
+
+def step_of(path: Path) -> int | None:
+    suffix = path.name[len(STEP_PREFIX):]
+    return int(suffix) if path.name.startswith(STEP_PREFIX) and suffix.isdigit() else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """step-<N> directories under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((d for d in root.iterdir() if d.is_dir() and step_of(d) is not None), key=step_of)
+
+
+def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
+                     progress: Progress, config_yaml: str) -> None:
+    """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later."""
+    if is_lora(model):
+        model.save_pretrained(directory / ADAPTER_DIR)
+    else:
+        save_weights(full_weights(model), directory)
+    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save({"scheduler": scheduler.state_dict(), "rng": capture_rng_state(), "data": data.state_dict()},
+               directory / STATE_FILE)
+    (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress) | {"saved_at": time.time()}, indent=1))
+    (directory / CONFIG_FILE).write_text(config_yaml)
+
+
+def write_complete_marker(directory: Path) -> None:
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+    atomic_write_text(directory / COMPLETE_MARKER, json.dumps({"files": files}, indent=1))
+
+
+def marker_problem(directory: Path) -> str | None:
+    """Why `directory` is not a complete checkpoint, or None when its marker and files agree."""
+    marker = directory / COMPLETE_MARKER
+    if not marker.is_file():
+        return "it has no COMPLETE marker (the save was interrupted)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError) as error:
+        return f"its COMPLETE marker is unreadable ({error})"
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the marker recorded {size}"
+    return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    return [d for d in step_dirs(root) if marker_problem(d) is None]
+
+
+def read_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Read and check every part of the checkpoint at `path`; CheckpointError if anything is off."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory: give a <run dir>/checkpoints/step-<N> "
+                              f"directory")
+    problem = marker_problem(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problem}")
+    try:
+        adapter = path / ADAPTER_DIR / "adapter_model.safetensors"
+        weights = load_file(adapter if adapter.is_file() else path / WEIGHTS_FILE)
+        return LoadedCheckpoint(
+            path=path, progress=Progress(**{k: v for k, v in json.loads((path / PROGRESS_FILE).read_text()).items()
+                                            if k in Progress.__dataclass_fields__}),
+            config_yaml=(path / CONFIG_FILE).read_text(), weights=weights,
+            # Memory-mapped: a full 8B run's optimizer state is ~30 GiB, which should not need to fit in host
+            # RAM beside the offload engine's pinned buffers; pages are read as restore copies them.
+            optimizer=torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True),
+            trainer_state=torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True))
+    except Exception as error:  # any unreadable part makes the whole checkpoint unusable
+        raise CheckpointError(f"checkpoint {path} is corrupt: {type(error).__name__}: {error}") from error

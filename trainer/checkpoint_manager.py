@@ -1,0 +1,135 @@
+"""The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint_format): when
+the next periodic one is due, writing one crash-safely, keeping the newest keep_last, and reading and
+restoring one.
+
+A checkpoint is written into a temporary sibling directory, every file flushed to disk, the directory
+renamed into place, and only then the COMPLETE marker is written. Older checkpoints are deleted only after
+a newer one is complete, so a crash at any moment leaves the previous checkpoint usable.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from model.hf_checkpoint import is_lora
+from storage.atomic import TEMP_PREFIX, atomic_directory
+from trainer.checkpoint_format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
+                                       complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
+                                       write_checkpoint, write_complete_marker)
+from trainer.disk_space import check_free_disk, checkpoint_size
+from trainer.rng_state import restore_rng_state
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves every `every_steps` steps or `every_minutes` minutes (0: off), keeps the newest `keep_last`
+    complete checkpoints under `root` (0: all), and loads one back."""
+
+    def __init__(self, root: Path, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 0):
+        self.root = root
+        self.every_steps, self.every_seconds, self.keep_last = every_steps, every_minutes * 60, keep_last
+        self.restart_interval(0)
+
+    @classmethod
+    def for_run(cls, run_dir: Path, checkpoint_cfg) -> CheckpointManager:
+        """The manager of <run_dir>/checkpoints, with the interval and keep_last of cfg.checkpoint."""
+        return cls(run_dir / CHECKPOINTS_DIR, checkpoint_cfg.every_steps, checkpoint_cfg.every_minutes,
+                   checkpoint_cfg.keep_last)
+
+    # ------------------------------------------------------------------------------------------- interval
+
+    def restart_interval(self, step: int) -> None:
+        """Count the interval to the next periodic save from now and from `step` (the last one saved, or
+        the one a resumed run starts from)."""
+        self.last_saved_at, self.last_saved_step = time.monotonic(), step
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is due after `step`.
+
+        A multiple of `every_steps` passed without a save (its step was skipped as NaN/Inf, and periodic saves
+        wait for a good step) keeps the save due until it happens, instead of dropping it until the next
+        multiple.
+        """
+        by_steps = self.every_steps > 0 and step // self.every_steps > self.last_saved_step // self.every_steps
+        return by_steps or (self.every_seconds > 0 and time.monotonic() - self.last_saved_at >= self.every_seconds)
+
+    # -------------------------------------------------------------------------------------------- writing
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data, progress: Progress,
+             config_yaml: str) -> Path:
+        """Write checkpoint step-<progress.step>, then delete those keep_last no longer keeps; returns its
+        path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{TEMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
+        check_free_disk(self.root, checkpoint_size(model, optimizer))
+        final = step_dir(self.root, progress.step)
+        with atomic_directory(final) as temp:
+            write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
+        write_complete_marker(final)
+        self.prune()
+        self.restart_interval(progress.step)
+        return final
+
+    def prune(self) -> None:
+        """Delete all but the newest `keep_last` complete checkpoints (0 keeps all), and incomplete ones older
+        than the newest complete one."""
+        complete = self.complete()
+        if not complete:
+            return
+        doomed = complete[:-self.keep_last] if self.keep_last else []
+        doomed += [d for d in step_dirs(self.root) if d not in complete and step_of(d) < step_of(complete[-1])]
+        for directory in doomed:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------------------- reading
+
+    def complete(self) -> list[Path]:
+        """The complete checkpoints under `root`, oldest first."""
+        return complete_checkpoints(self.root)
+
+    def read(self, path: Path) -> LoadedCheckpoint:
+        """The checkpoint at `path`, which may belong to another run; CheckpointError if anything is off."""
+        return read_checkpoint(path)
+
+    def read_newest(self) -> LoadedCheckpoint | None:
+        """The newest readable complete checkpoint under `root`; broken ones are skipped with a warning."""
+        for directory in reversed(step_dirs(self.root)):
+            try:
+                return self.read(directory)
+            except CheckpointError as error:
+                log.warning("skipping %s", error)
+        return None
+
+    def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler, data) -> Progress:
+        """Put model, optimizer, scheduler, data pipeline and RNGs back in the checkpoint's state."""
+        if is_lora(model):
+            from peft import set_peft_model_state_dict
+            result = set_peft_model_state_dict(model, loaded.weights)
+            if result.unexpected_keys:
+                raise CheckpointError(f"{loaded.path}: adapter tensors {result.unexpected_keys[:5]} do not fit "
+                                      f"this model (train.* LoRA settings differ?)")
+        elif (loaded.path / ADAPTER_DIR).is_dir():
+            raise CheckpointError(f"{loaded.path} holds a LoRA adapter but train.mode=full: resume with "
+                                  f"train=lora")
+        else:
+            # A tied head is saved once, as the embedding (full_weights): the only key allowed to be absent.
+            result = model.load_state_dict(loaded.weights, strict=False)
+            tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+            missing = [key for key in result.missing_keys if key not in tied]
+            if missing or result.unexpected_keys:
+                raise CheckpointError(f"{loaded.path}: model.safetensors does not fit this model (missing "
+                                      f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}; model.* "
+                                      f"settings differ?)")
+            model.tie_weights()
+        optimizer.load_state_dict(loaded.optimizer)
+        scheduler.load_state_dict(loaded.trainer_state["scheduler"])
+        data.load_state_dict(loaded.trainer_state["data"])
+        restore_rng_state(loaded.trainer_state["rng"])
+        return loaded.progress
