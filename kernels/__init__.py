@@ -3,9 +3,11 @@ dispatched by `kernels.dispatch` to its Triton kernel (`kernels/<op>.py`, attent
 `kernels/flash_attention.py`) or to its plain PyTorch contract in `kernels.reference`.
 
 Importing a submodule binds its name on the package, so loading `kernels.rms_norm` (the Triton module)
-would replace the package's `rms_norm` (the dispatching function). The package's module class refuses
-that one rebinding: `kernels.rms_norm` is always the function, whoever imported what; the Triton function
-itself is `from kernels.rms_norm import rms_norm`.
+would replace the package's `rms_norm` (the dispatching function). The Triton modules load lazily, on
+first use, so binding the functions after them here would not hold; instead the package's module class
+refuses that one rebinding: `kernels.rms_norm` is always the function, whoever imported what. The Triton
+function is `from kernels.rms_norm import rms_norm`, the module `importlib.import_module("kernels.rms_norm")`
+(`import kernels.rms_norm as m` reads the package attribute: the dispatching function).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Benchmarks of the issue-3 kernels against their peers on one CUDA GPU (results: docs/BENCHMARKS.md).
+"""Benchmarks of the norm and linear-cross-entropy kernels against their peers on one CUDA GPU (results:
+docs/BENCHMARKS.md).
 
     python scripts/bench_kernels.py [--skip-liger] [--sweep]
 
