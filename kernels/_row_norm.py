@@ -1,4 +1,5 @@
-"""Launcher pieces shared by the row-wise norms (`rmsnorm.py`, `layernorm.py`).
+"""What the row-wise norms (`rms_norm.py`, `layer_norm.py`) share: input checks, launch shapes and the
+backward kernel, which differs between them only in centering x.
 
 Both norms keep one whole row in registers (BLOCK_H = next power of two of the hidden size), write one
 fp32 statistic per row in the forward, and in the backward let a grid of a few programs per SM walk
@@ -13,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A row lives in registers: past this the backward's four row-sized fp32 values per thread would spill.
@@ -67,11 +69,10 @@ def as_gradient_rows(grad: torch.Tensor) -> torch.Tensor:
         return grad.reshape(-1, grad.shape[-1])
 
 
-def row_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) that hold one row with about 8 to 16 elements per thread."""
+def row_config(hidden: int, num_warps: int | None) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): one row per program; unless given, warps for about 8 to 16 elements per thread."""
     block = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(32, block // 512))
-    return block, num_warps
+    return block, num_warps if num_warps is not None else max(1, min(32, block // 512))
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,11 +80,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def backward_grid(rows: int, device: torch.device) -> tuple[int, int]:
+def backward_grid(rows: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:
     """(programs, rows per program) for the backward; the interpreter on CPU gets a small grid."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    programs = max(1, min(rows, sms * BACKWARD_PROGRAMS_PER_SM))
+    programs = max(1, min(rows, sms * programs_per_sm))
     rows_per_program = triton.cdiv(rows, programs)
     return triton.cdiv(rows, rows_per_program), rows_per_program
 
@@ -107,28 +108,71 @@ class ForwardLaunch(NamedTuple):
     num_warps: int
 
 
-def forward_launch(op: str, x: torch.Tensor) -> ForwardLaunch:
+def forward_launch(op: str, x: torch.Tensor, num_warps: int | None) -> ForwardLaunch:
     """x's rows, a fresh output and the launch configuration: one program per row."""
     x_rows = as_rows(op, "x", x)
-    block, num_warps = row_config(x_rows.shape[1])
+    block, num_warps = row_config(x_rows.shape[1], num_warps)
     return ForwardLaunch(x_rows, torch.empty(x_rows.shape, dtype=x.dtype, device=x.device), block, num_warps)
 
 
-class BackwardLaunch(NamedTuple):
-    x_rows: torch.Tensor
-    dy_rows: torch.Tensor
-    dx: torch.Tensor       # fresh [rows, hidden], or a dummy the kernel's constexpr branch never writes
-    block: int
-    num_warps: int
-    programs: int
-    rows_per_program: int
+@triton.jit
+def _backward_kernel(dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr,
+                     dx_ptr, dw_partial_ptr, db_partial_ptr, n_rows, n_cols, rows_per_program,
+                     BLOCK_H: tl.constexpr, CENTERED: tl.constexpr, COMPUTE_DX: tl.constexpr,
+                     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr):
+    """x_hat = (x - mean) * rstd for LayerNorm (CENTERED), x * rstd for RMSNorm;
+    dx = rstd * (w*dy - x_hat * mean(w*dy*x_hat)), less rstd * mean(w*dy) when CENTERED. This program's
+    rows' sums of dy*x_hat and dy go to its own rows of dw_partial and db_partial."""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    db = tl.zeros([BLOCK_H], dtype=tl.float32)
+    first_row = program.to(tl.int64) * rows_per_program  # int64 row offsets: rows * hidden may pass 2^31
+    for row in range(first_row, min(first_row + rows_per_program, n_rows)):
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        if CENTERED:
+            x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        else:
+            x_hat = x * rstd
+        if COMPUTE_DX:
+            w_dy = w * dy
+            projection = tl.sum(w_dy * x_hat, axis=0) / n_cols
+            dx = w_dy - x_hat * projection
+            if CENTERED:
+                dx = dx - tl.sum(w_dy, axis=0) / n_cols
+            tl.store(dx_ptr + row * n_cols + cols, (dx * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw += dy * x_hat
+        if COMPUTE_DB:
+            db += dy
+    if COMPUTE_DW:
+        tl.store(dw_partial_ptr + program * n_cols + cols, dw, mask=mask)
+    if COMPUTE_DB:
+        tl.store(db_partial_ptr + program * n_cols + cols, db, mask=mask)
 
 
-def backward_launch(op: str, dy: torch.Tensor, x: torch.Tensor, compute_dx: bool,
-                    dummy: torch.Tensor) -> BackwardLaunch:
+def backward(op: str, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             mean: torch.Tensor | None, rstd: torch.Tensor, needs: tuple[bool, bool, bool],
+             num_warps: int | None, programs_per_sm: int):
+    """(dx, dweight, dbias) of either norm, each None where `needs` (dx, dweight, dbias) says so; a mean
+    (LayerNorm's) centers x. Unneeded outputs get a dummy the kernel's constexpr branches never touch."""
+    compute_dx, compute_dw, compute_db = needs
     x_rows = as_rows(op, "x", x)
+    dy_rows = as_gradient_rows(dy)
     n_rows, hidden = x_rows.shape
-    block, num_warps = row_config(hidden)
-    programs, rows_per_program = backward_grid(n_rows, x.device)
-    dx = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device) if compute_dx else dummy
-    return BackwardLaunch(x_rows, as_gradient_rows(dy), dx, block, num_warps, programs, rows_per_program)
+    block, num_warps = row_config(hidden, num_warps)
+    programs, rows_per_program = backward_grid(n_rows, x.device, programs_per_sm)
+    dx = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device) if compute_dx else rstd
+    dw_partial = partial_buffer(programs, hidden, compute_dw, x.device)
+    db_partial = partial_buffer(programs, hidden, compute_db, x.device)
+    _backward_kernel[(programs,)](
+        dy_rows, dy_rows.stride(0), dy_rows.stride(1), x_rows, x_rows.stride(0), weight,
+        rstd if mean is None else mean, rstd, dx, dw_partial, db_partial, n_rows, hidden, rows_per_program,
+        BLOCK_H=block, CENTERED=mean is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,
+        COMPUTE_DB=compute_db, num_warps=num_warps)
+    return ((dx.view(x.shape) if compute_dx else None), reduce_partials(dw_partial, compute_dw, weight),
+            reduce_partials(db_partial, compute_db, bias))

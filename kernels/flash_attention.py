@@ -20,14 +20,13 @@ past the end of the sequence.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
 from kernels import attention_tape
+from kernels.dispatch import interpreting
 from kernels.reference import check_cu_seqlens
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -39,47 +38,29 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_DOCS: tl.constexpr):
-    """Keys seen by queries [m_start, m_start + BLOCK_M): all in [lo, hi), every row sees all of
-    [full_lo, full_hi)."""
-    m_last = tl.minimum(m_start + BLOCK_M, seqlen) - 1
+def _partner_range(DOC_START, DOC_END, start, seqlen, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_DOCS: tl.constexpr, KEYS: tl.constexpr):
+    """The partners of the block of tokens [start, start + BLOCK): its queries' keys (KEYS) or its keys'
+    queries. All lie in [lo, hi); every token of the block pairs with all of [full_lo, full_hi)."""
+    last = tl.minimum(start + BLOCK, seqlen) - 1
     if HAS_DOCS:
         # Document bounds are non-decreasing along the tokens: the first and last rows bound the block.
-        lo = tl.load(DOC_START + m_start)
-        full_lo = tl.load(DOC_START + m_last)
-        full_hi = tl.load(DOC_END + m_start)
-        hi = tl.load(DOC_END + m_last)
+        lo = tl.load(DOC_START + start)
+        full_lo = tl.load(DOC_START + last)
+        full_hi = tl.load(DOC_END + start)
+        hi = tl.load(DOC_END + last)
     else:
         lo = 0
         full_lo = 0
         full_hi = seqlen
         hi = seqlen
     if CAUSAL:
-        full_hi = tl.minimum(full_hi, m_start + 1)
-        hi = tl.minimum(hi, m_last + 1)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_DOCS: tl.constexpr):
-    """Queries that see keys [n_start, n_start + BLOCK_N): all in [lo, hi), every query of
-    [full_lo, full_hi) sees every key."""
-    n_last = tl.minimum(n_start + BLOCK_N, seqlen) - 1
-    if HAS_DOCS:
-        lo = tl.load(DOC_START + n_start)
-        full_lo = tl.load(DOC_START + n_last)
-        full_hi = tl.load(DOC_END + n_start)
-        hi = tl.load(DOC_END + n_last)
-    else:
-        lo = 0
-        full_lo = 0
-        full_hi = seqlen
-        hi = seqlen
-    if CAUSAL:
-        lo = tl.maximum(lo, n_start)
-        full_lo = tl.maximum(full_lo, n_last)
+        if KEYS:  # a query sees the keys up to itself
+            full_hi = tl.minimum(full_hi, start + 1)
+            hi = tl.minimum(hi, last + 1)
+        else:     # a key is seen by the queries from itself on
+            lo = tl.maximum(lo, start)
+            full_lo = tl.maximum(full_lo, last)
     return lo, full_lo, full_hi, hi
 
 
@@ -174,7 +155,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
     row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
-    lo, full_lo, full_hi, hi = _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                              KEYS=True)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
 
     q = q_desc.load([m_start, 0])
@@ -262,7 +244,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
     delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
     q = q_desc.load([m_start, 0])
     do = do_desc.load([m_start, 0])
-    lo, full_lo, full_hi, hi = _key_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                              KEYS=True)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -325,7 +308,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
     else:
         key_doc_lo = offs_n
         key_doc_hi = offs_n
-    lo, full_lo, full_hi, hi = _query_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
+                                              KEYS=False)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
     k = k_desc.load([n_start, 0])
     v = v_desc.load([n_start, 0])
@@ -373,14 +357,6 @@ _DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64,
                  _config(32, 64, 4, 4), _config(128, 128, 8, 2)]
 _TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
 
-
-
-def _interpreting() -> bool:
-    # TRITON_INTERPRET must be set before triton is imported: triton.jit (ours and triton.language's own
-    # helpers) picks interpreter or compiler when it decorates. Here it only picks the launch config.
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 _TUNED = {
     "fwd": triton.autotune(_FWD_CONFIGS, _TUNE_KEY)(_attn_fwd_kernel),
     "dq": triton.autotune(_DQ_CONFIGS, _TUNE_KEY)(_attn_bwd_dq_kernel),
@@ -389,13 +365,19 @@ _TUNED = {
 _PLAIN = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
 
 
+def tuned_configs() -> dict[str, str]:
+    """The launch config the autotuner last picked for each kernel that has run (benchmarks print it)."""
+    return {name: str(kernel.best_config) for name, kernel in _TUNED.items()
+            if getattr(kernel, "best_config", None)}
+
+
 def _kernel(name: str):
     """Autotuned when compiled; one fixed small config under the interpreter."""
-    return _PLAIN[name] if _interpreting() else _TUNED[name]
+    return _PLAIN[name] if interpreting() else _TUNED[name]
 
 
 def _launch_options() -> dict:
-    return dict(_INTERPRET_BLOCKS) if _interpreting() else {}
+    return dict(_INTERPRET_BLOCKS) if interpreting() else {}
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -421,7 +403,7 @@ def _seq_bucket(seqlen: int) -> int:
 
 def _needs_prefix_tuning(seqlen: int, key: tuple) -> bool:
     """Whether a call at `seqlen` should first tune on a TUNE_MAX_SEQLEN prefix (once per kernel key)."""
-    return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not _interpreting()
+    return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not interpreting()
 
 
 def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, key: tuple) -> None:
@@ -505,7 +487,7 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     group = q_heads // kv_heads
     has_docs = doc_start is not None
     delta = torch.empty_like(lse)
-    delta_block = 16 if _interpreting() else 128
+    delta_block = 16 if interpreting() else 128
     _attn_bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
         out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
 
@@ -562,9 +544,10 @@ class FlashAttentionFunction(torch.autograd.Function):
                 dv.view(batch, seqlen, *dv.shape[2:]), None, None, None)
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether the kernels handle this query's head dim and dtype (kernels.attention falls back otherwise)."""
-    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES
+def supports(head_dim: int, dtype: torch.dtype | None) -> bool:
+    """Whether the kernels take this head dim and dtype (None: any dtype they take); under "auto",
+    kernels.attention falls back to the reference otherwise."""
+    return head_dim in SUPPORTED_HEAD_DIMS and (dtype is None or dtype in SUPPORTED_DTYPES)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

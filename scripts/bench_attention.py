@@ -92,8 +92,7 @@ def bench_causal(seqlen: int, results):
                      ("sdpa CUDNN_ATTENTION", sdpa(SDPBackend.CUDNN_ATTENTION)),
                      ("flex_attention compiled", flex(block_mask))):
         measure(f"S={seqlen} {name}", fn, inputs, [seqlen], results)
-    print("  tuned:", {k: str(t.best_config) for k, t in fa._TUNED.items() if getattr(t, "best_config", None)},
-          flush=True)
+    print("  tuned:", fa.tuned_configs(), flush=True)
 
 
 def bench_packed(num_docs: int, doc_len: int, results):

@@ -1,4 +1,5 @@
-"""Benchmarks of the issue-3 kernels against their peers on one CUDA GPU (results: docs/BENCHMARKS.md).
+"""Benchmarks of the norm and linear-cross-entropy kernels against their peers on one CUDA GPU (results:
+docs/BENCHMARKS.md).
 
     python scripts/bench_kernels.py [--skip-liger] [--sweep]
 
@@ -22,10 +23,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import _row_norm, fused_linear_ce  # noqa: E402
-from kernels.fused_linear_ce import linear_cross_entropy  # noqa: E402
-from kernels.layernorm import layer_norm  # noqa: E402
-from kernels.rmsnorm import rms_norm  # noqa: E402
+from kernels.layer_norm import layer_norm  # noqa: E402
+from kernels.linear_cross_entropy import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
+                                          linear_cross_entropy, plan_chunks)
+from kernels.rms_norm import rms_norm  # noqa: E402
 
 GiB = 2**30
 MATMUL_PEAK_TFLOPS = 795.0  # the issue's figure for a bf16 H100 matmul
@@ -80,15 +81,12 @@ def bench_norms(skip_liger: bool) -> None:
 def sweep_norm_configs() -> None:
     """RMSNorm fwd+bwd time over warps per row and backward programs per SM (picks the defaults)."""
     inputs, dy = norm_inputs(65536, 4096, False)
-    default_config, default_programs = _row_norm.row_config, _row_norm.BACKWARD_PROGRAMS_PER_SM
     print("\nrms_norm sweep: num_warps x backward programs/SM -> fwd+bwd ms")
     for num_warps in (4, 8, 16):
         for programs in (2, 4, 8, 16):
-            _row_norm.row_config = lambda hidden, w=num_warps: (triton.next_power_of_2(hidden), w)
-            _row_norm.BACKWARD_PROGRAMS_PER_SM = programs
-            ms = time_fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5), inputs, dy)
+            ms = time_fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5, num_warps=num_warps,
+                                                     backward_programs_per_sm=programs), inputs, dy)
             print(f"  warps={num_warps:<3} programs/SM={programs:<3} {ms:.3f} ms")
-    _row_norm.row_config, _row_norm.BACKWARD_PROGRAMS_PER_SM = default_config, default_programs
 
 
 def sweep_cross_entropy_kernel() -> None:
@@ -98,14 +96,12 @@ def sweep_cross_entropy_kernel() -> None:
     losses = torch.empty(8192, device="cuda")
     scale = torch.ones((), device="cuda")
     floor_bytes = 3 * logits.numel() * 2  # read twice (logsumexp, gradient), write once
-    default = fused_linear_ce._BLOCK_V, fused_linear_ce._NUM_WARPS
     print("\ncross-entropy rows kernel sweep on [8192, 128256] bf16 (3 passes of bytes)")
     for block_v, num_warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
-        fused_linear_ce._BLOCK_V, fused_linear_ce._NUM_WARPS = block_v, num_warps
-        ms = do_bench(lambda: fused_linear_ce._cross_entropy_rows(logits, targets, losses, scale, -100, True),
+        ms = do_bench(lambda: cross_entropy_rows(logits, targets, losses, scale, -100, True, block_v=block_v,
+                                                 num_warps=num_warps),
                       warmup=50, rep=300, return_mode="median")
         print(f"  BLOCK_V={block_v:<6} warps={num_warps:<3} {ms:.3f} ms  {floor_bytes / ms / 1e9:.2f} TB/s")
-    fused_linear_ce._BLOCK_V, fused_linear_ce._NUM_WARPS = default
     del logits
 
 
@@ -146,8 +142,8 @@ def bench_linear_cross_entropy(skip_liger: bool) -> None:
             peers["Liger"] = lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t)[0]
         if n_tokens <= 16384:
             peers["matmul + F.cross_entropy"] = lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t)
-        chunk, accumulate_fp32 = fused_linear_ce.plan_chunks(n_tokens, hidden_size, vocab, torch.bfloat16, True,
-                                                             fused_linear_ce.DEFAULT_MEMORY_BUDGET)
+        chunk, accumulate_fp32 = plan_chunks(n_tokens, hidden_size, vocab, torch.bfloat16, True,
+                                             DEFAULT_MEMORY_BUDGET)
         matmul_floor_ms = 3 * 2 * n_tokens * hidden_size * vocab / (MATMUL_PEAK_TFLOPS * 1e12) * 1e3
         print(f"\nlinear_cross_entropy fwd+bwd N={n_tokens} H={hidden_size} V={vocab} bf16 "
               f"(ours: chunk {chunk} tokens, fp32 grad_weight accumulator: {accumulate_fp32}); "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.adamw import adamw_update
+from kernels.adamw_update import adamw_update
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

@@ -1,8 +1,11 @@
 """Op dispatch: reference on CPU, Triton on request, and a clear error when Triton cannot run."""
+import importlib
+
 import pytest
 import torch
 
 import kernels
+from kernels import dispatch
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +17,7 @@ def restore_backend():
 def test_cpu_tensors_use_the_reference_under_auto():
     x = torch.randn(3, 8)
     kernels.set_backend("auto")
-    assert kernels._pick("rms_norm", x) is kernels.reference.rms_norm
+    assert dispatch._pick("rms_norm", x) is kernels.reference.rms_norm
 
 
 def test_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
@@ -28,7 +31,7 @@ def test_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
 def test_triton_under_the_interpreter_dispatches_to_the_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels.set_backend("triton")
-    assert kernels._pick("attention", torch.randn(1)) is kernels._triton_op("attention")
+    assert dispatch._pick("attention", torch.randn(1)) is dispatch._triton_op("attention")
 
 
 def test_unknown_backend_is_rejected():
@@ -36,23 +39,38 @@ def test_unknown_backend_is_rejected():
         kernels.set_backend("cuda")
 
 
-@pytest.mark.parametrize("name", sorted(kernels.TRITON_OPS))
+@pytest.mark.parametrize("name", sorted(dispatch.TRITON_OPS))
 def test_every_op_has_a_reference_and_a_triton_kernel(name):
     assert callable(getattr(kernels.reference, name))
-    assert callable(kernels._triton_op(name))
+    assert callable(dispatch._triton_op(name))
 
 
-@pytest.mark.parametrize("head_dim, expect_kernel", [(16, False), (64, True)])
-def test_auto_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(monkeypatch, head_dim, expect_kernel):
-    """On a GPU "auto" picks the Triton attention; a head dim it does not handle (the tiny model's 16)
-    must run the reference instead of raising."""
+def test_the_package_attributes_stay_the_dispatching_functions_after_the_kernel_modules_load():
+    """Each Triton module is named after its op; loading it must not replace the package's function."""
+    import kernels.layer_norm  # noqa: F401  (the import statement binds submodules on the package)
+    import kernels.rms_norm  # noqa: F401
+    for module_name, _ in dispatch.TRITON_OPS.values():
+        importlib.import_module(module_name)
+    for name in dispatch.TRITON_OPS:
+        assert getattr(kernels, name) is getattr(dispatch, name)
+    assert importlib.import_module("kernels.rms_norm").rms_norm is not kernels.rms_norm
+
+
+@pytest.mark.parametrize("head_dim, dtype, expect_kernel", [
+    (16, torch.float32, False), (64, torch.float32, True), (64, torch.float64, False)])
+def test_auto_falls_back_to_the_reference_for_shapes_the_kernel_lacks(monkeypatch, head_dim, dtype, expect_kernel):
+    """On a GPU "auto" picks the Triton attention; a head dim or dtype it does not handle (the tiny
+    model's head dim 16) must run the reference instead of raising."""
     calls = []
 
     def kernel(q, k, v, **options):
         calls.append(q.shape)
         return torch.zeros_like(q)
-    monkeypatch.setattr(kernels, "_pick", lambda name, tensor: kernel)   # as if the tensors were on CUDA
-    q, k, v = (torch.randn(1, 5, 2, head_dim) for _ in range(3))
+    runs = dispatch._triton_attention_runs
+    monkeypatch.setattr(dispatch, "_triton_op", lambda name: kernel)
+    monkeypatch.setattr(dispatch, "_triton_attention_runs",   # as if the tensors were on CUDA
+                        lambda backend, device_type, head_dim, dtype: runs(backend, "cuda", head_dim, dtype))
+    q, k, v = (torch.randn(1, 5, 2, head_dim, dtype=dtype) for _ in range(3))
     out = kernels.attention(q, k, v)
     assert bool(calls) == expect_kernel
     if not expect_kernel:
@@ -61,6 +79,6 @@ def test_auto_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(monkeyp
 
 @pytest.mark.parametrize("backend, device_type, head_dim, records", [
     ("reference", "cuda", 128, False), ("auto", "cpu", 128, False), ("auto", "cuda", 128, True),
-    ("auto", "cuda", 16, False), ("triton", "cpu", 64, True)])
+    ("auto", "cuda", 16, False), ("triton", "cpu", 64, True), ("triton", "cuda", 16, False)])
 def test_only_the_triton_attention_records_on_a_tape(backend, device_type, head_dim, records):
     assert kernels.attention_records(backend, device_type, head_dim) == records

@@ -1,15 +1,17 @@
-"""Chunked fused linear cross-entropy (kernels/fused_linear_ce.py) on CPU through Triton's interpreter,
+"""Chunked fused linear cross-entropy (kernels/linear_cross_entropy.py) on CPU through Triton's interpreter,
 against the fp32 reference: loss and both gradients, fp32 and fp16, chunking-invariance, ignore_index,
 frozen weight or hidden, gradient scaling. (bf16 at Llama-3 shapes: tests/test_kernels_gpu.py.)"""
 import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
+import importlib
+
 import pytest
 import torch
 
 import kernels
-from kernels import fused_linear_ce, reference
-from kernels.fused_linear_ce import linear_cross_entropy, plan_chunks
+from kernels import reference
+from kernels.linear_cross_entropy import DEFAULT_MEMORY_BUDGET, linear_cross_entropy, plan_chunks
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -73,6 +75,17 @@ def test_result_does_not_depend_on_chunking(poisoned_empty, dtype):
             assert relative_error(out, ref) < (1e-6 if dtype == torch.float32 else 2e-3), name
 
 
+def test_launch_tuning_arguments_keep_the_results():
+    """block_v and num_warps (what scripts/bench_kernels.py sweeps) reach the rows kernel: a block of 64
+    columns walks the 300-word vocabulary in five steps, with the same values as one block."""
+    hidden, weight, targets = make_inputs(20, 16, 300, torch.float32)
+    ours = our_result(hidden, weight, targets, block_v=64, num_warps=2)
+    for out, ref in zip(ours, our_result(hidden, weight, targets)):
+        assert relative_error(out, ref) < 1e-6
+    for out, ref in zip(ours, reference_result(hidden, weight, targets)):
+        assert relative_error(out, ref) < 1e-5
+
+
 def test_fp16_grad_weight_accumulates_in_fp32_when_it_fits():
     hidden, weight, targets = make_inputs(40, 16, 300, torch.float16)
     expected = reference_result(hidden, weight, targets)
@@ -86,9 +99,9 @@ def test_fp16_grad_weight_accumulates_in_fp32_when_it_fits():
 
 def test_llama3_plan_fits_the_two_gib_budget():
     chunk, accumulate_fp32 = plan_chunks(131072, 4096, 128256, torch.bfloat16, True,
-                                         fused_linear_ce.DEFAULT_MEMORY_BUDGET)
+                                         DEFAULT_MEMORY_BUDGET)
     assert not accumulate_fp32 and chunk % 256 == 0
-    assert chunk * 128256 * 2 <= fused_linear_ce.DEFAULT_MEMORY_BUDGET < 2 * 2**30
+    assert chunk * 128256 * 2 <= DEFAULT_MEMORY_BUDGET < 2 * 2**30
     assert plan_chunks(131072, 4096, 128256, torch.bfloat16, True, 8 * 2**30)[1]
 
 
@@ -114,7 +127,8 @@ def test_frozen_weight_does_no_grad_weight_work(monkeypatch):
     def fail(*args):
         raise AssertionError("grad_weight work for a frozen weight")
 
-    monkeypatch.setattr(fused_linear_ce, "_accumulate_grad_weight", fail)
+    # The module itself: the package attribute of its name is the dispatching function.
+    monkeypatch.setattr(importlib.import_module("kernels.linear_cross_entropy"), "_accumulate_grad_weight", fail)
     hidden, weight, targets = make_inputs(20, 16, 90, torch.float32)
     weight.requires_grad_(False)
     loss = linear_cross_entropy(hidden, weight, targets, memory_budget=6 * 90 * 4)

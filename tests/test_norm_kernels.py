@@ -1,4 +1,4 @@
-"""Triton RMSNorm and LayerNorm (kernels/rmsnorm.py, kernels/layernorm.py) on CPU through Triton's
+"""Triton RMSNorm and LayerNorm (kernels/rms_norm.py, kernels/layer_norm.py) on CPU through Triton's
 interpreter, against the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes.
 (bf16 runs on the GPU only: tests/test_kernels_gpu.py.)"""
 import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
@@ -11,8 +11,8 @@ import torch
 
 import kernels
 from kernels import _row_norm, reference
-from kernels.layernorm import layer_norm
-from kernels.rmsnorm import rms_norm
+from kernels.layer_norm import layer_norm
+from kernels.rms_norm import rms_norm
 
 # Leading shapes of every rank, hidden sizes from 3 to 16384 that are mostly not powers of two.
 SHAPES = [(1, 3), (1, 8), (3, 5, 33), (17, 64), (2, 3, 100), (4, 1000), (2, 16384)]
@@ -54,6 +54,22 @@ def test_forward_and_gradients_match_reference(poisoned_empty, op_name, with_bia
 
 
 @pytest.mark.parametrize("op_name", ["rms_norm", "layer_norm"])
+def test_launch_tuning_arguments_keep_the_results(op_name):
+    """num_warps and backward_programs_per_sm (what scripts/bench_kernels.py sweeps) reach the launches:
+    a larger backward grid gives other row ranges per program, the same values."""
+    torch.manual_seed(4)
+    x, w, b = torch.randn(203, 24, requires_grad=True), torch.randn(24, requires_grad=True), torch.randn(24)
+    args = (x, w, EPS) if op_name == "rms_norm" else (x, w, b, EPS)
+    ours, ref = (rms_norm, reference.rms_norm) if op_name == "rms_norm" else (layer_norm, reference.layer_norm)
+    y = ours(*args, num_warps=2, backward_programs_per_sm=16)
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    y_ref = ref(*args)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref.sum(), (x, w))
+    for out, expected in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("op_name", ["rms_norm", "layer_norm"])
 def test_strided_rows_expanded_gradient_and_fp32_weight(op_name):
     """x viewed out of a wider buffer (row stride 2H), dy from .sum() (stride 0), fp32 weight on fp16 x."""
     torch.manual_seed(1)
@@ -88,7 +104,8 @@ def test_only_the_needed_gradients(frozen):
 
 def test_backward_grid_splits_rows_into_ranges():
     """More rows than backward programs: every program sums a range of rows into its partial."""
-    programs, rows_per_program = _row_norm.backward_grid(203, torch.device("cpu"))
+    programs, rows_per_program = _row_norm.backward_grid(203, torch.device("cpu"),
+                                                        _row_norm.BACKWARD_PROGRAMS_PER_SM)
     assert programs * rows_per_program >= 203 > (programs - 1) * rows_per_program and rows_per_program > 1
     torch.manual_seed(3)
     for out, ref in norm_case("layer_norm", (203, 24), torch.float32, with_bias=True):

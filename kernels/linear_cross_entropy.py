@@ -26,8 +26,8 @@ DEFAULT_MEMORY_BUDGET = 7 * 2**28
 _CHUNK_TOKENS_MULTIPLE = 256
 # Vocabulary columns a program handles per step of its row loop, and its warps: on an H100 every tried
 # pair from (2048, 4) to (16384, 16) ran at 2.86-2.97 TB/s (scripts/bench_kernels.py --sweep).
-_BLOCK_V = 8192
-_NUM_WARPS = 16
+BLOCK_V = 8192
+NUM_WARPS = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -66,13 +66,16 @@ def _cross_entropy_rows_kernel(logits_ptr, logits_row_stride, targets_ptr, loss_
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
-def _cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
-                        ignore_index: int, write_grad: bool) -> None:
-    """Per-row losses into `losses`; with write_grad, logits become the loss's gradient in place."""
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
+                       ignore_index: int, write_grad: bool, *, block_v: int = BLOCK_V,
+                       num_warps: int = NUM_WARPS) -> None:
+    """Per-row losses of a logits chunk into `losses`; with write_grad, logits become the loss's gradient
+    (times `scale`, a device scalar) in place. block_v columns per step (capped at the vocabulary's next
+    power of two) and num_warps per row tune the launch."""
     n_rows, vocab = logits.shape
-    block_v = min(_BLOCK_V, triton.next_power_of_2(vocab))
     _cross_entropy_rows_kernel[(n_rows,)](logits, logits.stride(0), targets, losses, scale, vocab, ignore_index,
-                                          BLOCK_V=block_v, WRITE_GRAD=write_grad, num_warps=_NUM_WARPS)
+                                          BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+                                          WRITE_GRAD=write_grad, num_warps=num_warps)
 
 
 def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -120,8 +123,10 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 
 
 def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                   reduction: str, memory_budget: int, need_grad_hidden: bool, need_grad_weight: bool):
-    """(loss, grad_hidden or None, grad_weight or None), the gradients of the loss itself (d loss = 1)."""
+                   reduction: str, memory_budget: int, rows_launch: dict, need_grad_hidden: bool,
+                   need_grad_weight: bool):
+    """(loss, grad_hidden or None, grad_weight or None), the gradients of the loss itself (d loss = 1);
+    rows_launch: cross_entropy_rows's block_v and num_warps."""
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     chunk, accumulate_fp32 = plan_chunks(n_tokens, hidden_size, vocab, hidden.dtype, need_grad_weight,
@@ -138,8 +143,8 @@ def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         end = min(start + chunk, n_tokens)
         hidden_chunk = hidden[start:end]
         logits = hidden_chunk @ weight.t()
-        _cross_entropy_rows(logits, targets[start:end], losses[start:end], scale, ignore_index,
-                            write_grad=need_grad_hidden or need_grad_weight)
+        cross_entropy_rows(logits, targets[start:end], losses[start:end], scale, ignore_index,
+                           write_grad=need_grad_hidden or need_grad_weight, **rows_launch)
         if need_grad_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if need_grad_weight:
@@ -153,9 +158,9 @@ def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                reduction: str, memory_budget: int) -> torch.Tensor:
+                reduction: str, memory_budget: int, rows_launch: dict) -> torch.Tensor:
         loss, grad_hidden, grad_weight = _fused_forward(hidden, weight, targets, ignore_index, reduction,
-                                                        memory_budget, *ctx.needs_input_grad[:2])
+                                                        memory_budget, rows_launch, *ctx.needs_input_grad[:2])
         ctx.gradients = (grad_hidden, grad_weight)
         return loss
 
@@ -173,15 +178,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for grad in (grad_hidden, grad_weight):
                 if grad is not None:
                     grad.mul_(grad_loss.to(grad.dtype))
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100, reduction: str = "mean",
-                         memory_budget: int | None = None) -> torch.Tensor:
+                         memory_budget: int | None = None, *, block_v: int = BLOCK_V,
+                         num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Same contract as `reference.linear_cross_entropy` (fp32 loss); targets must lie in [0, V) or equal
     ignore_index. memory_budget: bytes of temporaries allowed (default DEFAULT_MEMORY_BUDGET); it sets the
-    chunk size, which changes the result only by rounding."""
+    chunk size, which changes the result only by rounding. block_v, num_warps: `cross_entropy_rows`'s launch."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # As nn.Linear under autocast: the matmuls run in the autocast dtype (differentiable casts, no-ops
@@ -190,8 +196,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     _check_inputs(hidden, weight, targets, reduction)
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    rows_launch = {"block_v": block_v, "num_warps": num_warps}
     with torch.autocast(device_type, enabled=False):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, budget)
-        loss, _, _ = _fused_forward(hidden, weight, targets, ignore_index, reduction, budget, False, False)
+            return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, budget,
+                                                    rows_launch)
+        loss, _, _ = _fused_forward(hidden, weight, targets, ignore_index, reduction, budget, rows_launch,
+                                    False, False)
         return loss

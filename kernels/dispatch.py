@@ -1,0 +1,124 @@
+"""Which implementation each op the model calls runs: a Triton kernel or `kernels.reference`.
+
+Backends: "auto" (Triton where the tensor is on CUDA and a kernel exists for it, e.g. attention only for
+the head dims and dtypes `flash_attention.supports`, else the reference), "triton" (Triton or a clear
+error), "reference" (always the plain PyTorch ops). `TRITON_INTERPRET=1` lets "triton" run the kernels on
+CPU tensors through Triton's interpreter (tests do this).
+
+The Triton modules are imported on first use, not here: `import kernels` must work before the tests
+choose interpreter or compiler (Triton decides when it is first imported) and on machines without Triton.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from kernels import reference
+
+# The ops with a Triton twin; each lives in `kernels/<op>.py` as a function of the same name, except
+# attention, whose kernel is `flash_attention`.
+TRITON_OPS = {
+    "rms_norm": ("kernels.rms_norm", "rms_norm"),
+    "layer_norm": ("kernels.layer_norm", "layer_norm"),
+    "linear_cross_entropy": ("kernels.linear_cross_entropy", "linear_cross_entropy"),
+    "attention": ("kernels.flash_attention", "flash_attention"),
+    "adamw_update": ("kernels.adamw_update", "adamw_update"),
+}
+
+# The backend names and when each can run. At the issue-12 merge these become conf.schema.job's
+# KERNEL_BACKENDS and check_kernels_backend (conf/validate.py reads them here until then).
+BACKENDS = ("auto", "triton", "reference")
+
+
+def check_available(name: str) -> None:
+    """RuntimeError when backend `name` cannot run on this machine (Triton without CUDA or interpreter)."""
+    if name == "triton" and not (torch.cuda.is_available() or interpreting()):
+        raise RuntimeError(
+            "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
+            "use kernels=auto or kernels=reference on this machine")
+
+
+def _check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
+    check_available(name)
+
+
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1."""
+    global _backend
+    _check_backend(name)
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (set before Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_module(name: str):
+    return importlib.import_module(TRITON_OPS[name][0])
+
+
+def _triton_op(name: str):
+    return getattr(_triton_module(name), TRITON_OPS[name][1])
+
+
+def _pick(name: str, tensor: torch.Tensor):
+    if _backend == "reference":
+        return getattr(reference, name)
+    if _backend == "triton" or tensor.is_cuda:
+        return _triton_op(name)
+    return getattr(reference, name)
+
+
+def _triton_attention_runs(backend: str, device_type: str, head_dim: int, dtype: torch.dtype | None) -> bool:
+    """The one answer to "does the Triton attention run here": not under "reference", and under "auto"
+    only on CUDA; then where the kernel takes the head dim and dtype (None: any dtype it takes)."""
+    if backend == "reference" or (backend == "auto" and device_type != "cuda"):
+        return False
+    return _triton_module("attention").supports(head_dim, dtype)
+
+
+def attention_records(backend: str, device_type: str, head_dim: int) -> bool:
+    """Whether attention under `backend` on `device_type` records on an AttentionTape: only the Triton
+    attention does, so keeping attention outputs helps only where it runs. Asked before the model exists:
+    its activations are fp32, fp16 or bf16, each a dtype the kernel takes, so the head dim decides."""
+    return _triton_attention_runs(backend, device_type, head_dim, None)
+
+
+def rms_norm(x, weight, eps):
+    return _pick("rms_norm", x)(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return _pick("layer_norm", x)(x, weight, bias, eps)
+
+
+def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
+    # Under "triton" a shape the kernel lacks still goes to it, whose checks name the problem; "auto"
+    # falls back to the reference (e.g. the tiny model's head dim 16 on a GPU).
+    if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
+        op = _triton_op("attention")
+    else:
+        op = reference.attention
+    return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):
+    return _pick("linear_cross_entropy", hidden)(hidden, weight, targets, ignore_index=ignore_index,
+                                                 reduction=reduction)
+
+
+def adamw_update(param, grad, exp_avg, exp_avg_sq, **hyperparameters):
+    """In-place fused AdamW step with stochastic rounding of bf16 state (reference.adamw_update)."""
+    _pick("adamw_update", param)(param, grad, exp_avg, exp_avg_sq, **hyperparameters)
