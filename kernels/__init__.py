@@ -15,9 +15,8 @@ import sys
 import types
 
 from kernels import dispatch, reference
-from kernels.dispatch import (BACKENDS, adamw_update, attention, attention_records, check_available,
-                              get_backend, interpreting, layer_norm, linear_cross_entropy, rms_norm,
-                              set_backend)
+from kernels.dispatch import (adamw_update, attention, attention_records, get_backend, layer_norm,
+                              linear_cross_entropy, rms_norm, set_backend)
 
 
 class _Package(types.ModuleType):

@@ -11,10 +11,10 @@ choose interpreter or compiler (Triton decides when it is first imported) and on
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
+from conf.schema.job import check_kernels_backend
 from kernels import reference
 
 # The ops with a Triton twin; each lives in `kernels/<op>.py` as a function of the same name, except
@@ -27,42 +27,18 @@ TRITON_OPS = {
     "adamw_update": ("kernels.adamw_update", "adamw_update"),
 }
 
-# The backend names and when each can run. At the issue-12 merge these become conf.schema.job's
-# KERNEL_BACKENDS and check_kernels_backend (conf/validate.py reads them here until then).
-BACKENDS = ("auto", "triton", "reference")
-
-
-def check_available(name: str) -> None:
-    """RuntimeError when backend `name` cannot run on this machine (Triton without CUDA or interpreter)."""
-    if name == "triton" and not (torch.cuda.is_available() or interpreting()):
-        raise RuntimeError(
-            "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
-            "use kernels=auto or kernels=reference on this machine")
-
-
-def _check_backend(name: str) -> None:
-    if name not in BACKENDS:
-        raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
-    check_available(name)
-
-
 _backend = "auto"
 
 
 def set_backend(name: str) -> None:
     """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1."""
     global _backend
-    _check_backend(name)
+    check_kernels_backend(name)
     _backend = name
 
 
 def get_backend() -> str:
     return _backend
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels through its interpreter (set before Triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_module(name: str):

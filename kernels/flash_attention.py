@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_tape
-from kernels.dispatch import interpreting
+from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -373,11 +373,11 @@ def tuned_configs() -> dict[str, str]:
 
 def _kernel(name: str):
     """Autotuned when compiled; one fixed small config under the interpreter."""
-    return _PLAIN[name] if interpreting() else _TUNED[name]
+    return _PLAIN[name] if triton_interpreting() else _TUNED[name]
 
 
 def _launch_options() -> dict:
-    return dict(_INTERPRET_BLOCKS) if interpreting() else {}
+    return dict(_INTERPRET_BLOCKS) if triton_interpreting() else {}
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -403,7 +403,7 @@ def _seq_bucket(seqlen: int) -> int:
 
 def _needs_prefix_tuning(seqlen: int, key: tuple) -> bool:
     """Whether a call at `seqlen` should first tune on a TUNE_MAX_SEQLEN prefix (once per kernel key)."""
-    return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not interpreting()
+    return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not triton_interpreting()
 
 
 def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, key: tuple) -> None:
@@ -487,7 +487,7 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     group = q_heads // kv_heads
     has_docs = doc_start is not None
     delta = torch.empty_like(lse)
-    delta_block = 16 if interpreting() else 128
+    delta_block = 16 if triton_interpreting() else 128
     _attn_bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
         out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import kernels
+from conf.errors import ConfigError
 from kernels import dispatch
 
 
@@ -24,7 +25,7 @@ def test_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="kernels=triton needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match="kernels=triton needs a CUDA GPU"):
         kernels.set_backend("triton")
 
 
@@ -35,7 +36,7 @@ def test_triton_under_the_interpreter_dispatches_to_the_kernel(monkeypatch):
 
 
 def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="must be one of"):
+    with pytest.raises(ConfigError, match="is not one of"):
         kernels.set_backend("cuda")
 
 

@@ -179,7 +179,7 @@ def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     doc_start, doc_end = flash._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
     flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, "key")
     assert flash._tuned_on_prefix == {"key"}
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(flash, "triton_interpreting", lambda: False)
     assert not flash._needs_prefix_tuning(40, "key") and flash._needs_prefix_tuning(40, "other")
     assert not flash._needs_prefix_tuning(16, "other")
 

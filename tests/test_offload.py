@@ -5,6 +5,7 @@ import torch
 from types import SimpleNamespace
 
 import kernels
+from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.engine import ALIGNMENT, CopyEngine
 from offload.policy import LayerInputStore, apply_memory_policy
@@ -230,7 +231,7 @@ def test_invalid_attention_placements_are_refused(attention):
         LayerInputStore(["host", "host"], CopyEngine(torch.device("cpu")), attention)
 
 
-@pytest.mark.skipif(not kernels.interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
 def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch):
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
@@ -251,7 +252,7 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
 
-@pytest.mark.skipif(not kernels.interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
 def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer_below():
     """The first backward starts the copy of its attention outputs itself: queued behind the prefetch of
     the next input, the compute stream would wait for that one too (1 GiB at 131k tokens)."""

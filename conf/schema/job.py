@@ -58,12 +58,18 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1, read by Triton when it
+    is first imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_kernels_backend(name: str) -> None:
     """ConfigError when backend `name` is unknown or cannot run here (Triton needs CUDA, or
     TRITON_INTERPRET=1 to run the kernels through Triton's CPU interpreter)."""
     if name not in KERNEL_BACKENDS:
         raise ConfigError(f"kernels={name!r} is not one of {KERNEL_BACKENDS}")
-    if name == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if name == "triton" and not (torch.cuda.is_available() or triton_interpreting()):
         raise ConfigError(
             "kernels=triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels slowly on CPU); "
             "use kernels=auto or kernels=reference on this machine")
