@@ -27,8 +27,8 @@ from kernels.layer_norm import layer_norm  # noqa: E402
 from kernels.linear_cross_entropy import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
                                           linear_cross_entropy, plan_chunks)
 from kernels.rms_norm import rms_norm  # noqa: E402
+from offload.units import GIB  # noqa: E402
 
-GiB = 2**30
 MATMUL_PEAK_TFLOPS = 795.0  # the figure for a bf16 H100 matmul
 
 
@@ -125,7 +125,7 @@ def measure_loss(fn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
     outputs = hidden.grad.numel() * hidden.grad.element_size() + weight.grad.numel() * weight.grad.element_size()
     hidden.grad = weight.grad = None
-    return statistics.median(times), peak / GiB, (peak - outputs) / GiB
+    return statistics.median(times), peak / GIB, (peak - outputs) / GIB
 
 
 def bench_linear_cross_entropy(skip_liger: bool) -> None:
