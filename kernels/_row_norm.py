@@ -116,7 +116,7 @@ def forward_launch(op: str, x: torch.Tensor, num_warps: int | None) -> ForwardLa
 
 
 @triton.jit
-def _backward_kernel(dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr,
+def _row_norm_backward_kernel(dy_ptr, dy_row_stride, dy_col_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr,
                      dx_ptr, dw_partial_ptr, db_partial_ptr, n_rows, n_cols, rows_per_program,
                      BLOCK_H: tl.constexpr, CENTERED: tl.constexpr, COMPUTE_DX: tl.constexpr,
                      COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr):
@@ -169,7 +169,7 @@ def backward(op: str, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     dx = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device) if compute_dx else rstd
     dw_partial = partial_buffer(programs, hidden, compute_dw, x.device)
     db_partial = partial_buffer(programs, hidden, compute_db, x.device)
-    _backward_kernel[(programs,)](
+    _row_norm_backward_kernel[(programs,)](
         dy_rows, dy_rows.stride(0), dy_rows.stride(1), x_rows, x_rows.stride(0), weight,
         rstd if mean is None else mean, rstd, dx, dw_partial, db_partial, n_rows, hidden, rows_per_program,
         BLOCK_H=block, CENTERED=mean is not None, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw,

@@ -126,11 +126,12 @@ def main() -> None:
     parser.add_argument("--train", choices=("lora", "full"), default="lora",
                         help="full: every parameter (issue 6; the planner picks train.full_state)")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last step")
+    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU time by kind (scripts/step_profile.py)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
 
     from offload.byte_model import parameter_counts
+    from scripts.step_profile import device_kernels, kind_table, time_by_kind
     from trainer.metrics import step_flops
 
     started = time.perf_counter()
@@ -151,9 +152,12 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         copy = offload_stats()
         print(f"step {index}: {times[-1]:.2f} s loss {losses[-1]:.4f} {json.dumps(copy)}", file=sys.stderr, flush=True)
+    by_kind = None
     if args.profile:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70),
               file=sys.stderr)
+        by_kind = time_by_kind(device_kernels(profiler))
+        print(kind_table(by_kind, times[-1] * 1e3), file=sys.stderr)
     timed = times[1:] if len(times) > 1 else times
     seconds = statistics.median(timed)
     total_params, _ = parameter_counts(arch, SimpleNamespace(mode="full"))
@@ -163,7 +167,8 @@ def main() -> None:
               "mfu": flops / seconds / 795e12, "loss": losses,
               "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
               "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-              "peak_host_gib": peak_host_gib(), "offload": copy, "wall_s": time.perf_counter() - started}
+              "peak_host_gib": peak_host_gib(), "offload": copy, "profile_ms_by_kind": by_kind,
+              "wall_s": time.perf_counter() - started}
     print(json.dumps(result), flush=True)
 
 
