@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import kernels
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
+from model.lora import fuse_adapter_products
 from offload.plan import MemoryPlan, plan_memory
 from offload.policy import MemoryPolicy, apply_memory_policy
 from offload.state_layouts import weights_dtype
@@ -88,6 +89,7 @@ def build_model(cfg, device: torch.device) -> Built:
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
         model = apply_lora(model, cfg.train)
+        fuse_adapter_products(model)
         if dtype == torch.bfloat16:
             keep_adapter_inputs_in_bf16(model)
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
