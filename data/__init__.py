@@ -1,4 +1,5 @@
-"""Data sources: every source yields `Batch`es and has state_dict()/load_state_dict() for exact resume.
+"""Data sources: every source yields `Batch`es and has state_dict()/load_state_dict(state, force) for exact
+resume (force: continue at the saved position even where the state was saved for different data).
 
 The `data` settings are typed and value-checked in conf.schema.data; `preflight_data` adds the checks that
 need the disk, before the model is built."""

@@ -7,6 +7,7 @@ Nothing here reaches the network: data.path must name something local, and data/
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -184,6 +185,19 @@ def int_column(documents, name: str) -> np.ndarray:
     return documents.with_format("arrow", columns=[name])[:][name].to_numpy().astype(np.int64, copy=False)
 
 
+def content_fingerprint(documents) -> str:
+    """A hash of the tokenized documents in order (lengths, token ids, trained-on flags): what a resume must
+    find again. Unlike the datasets fingerprint it does not change when a file is touched, copied or renamed.
+    About a second per 200M tokens."""
+    digest = hashlib.sha256()
+    table = documents.with_format("arrow", columns=["length", "input_ids", "is_target"])[:]
+    for name in ("length", "input_ids", "is_target"):
+        for chunk in table.column(name).chunks:
+            values = chunk if name == "length" else chunk.flatten()
+            digest.update(np.ascontiguousarray(values.to_numpy(zero_copy_only=False)))
+    return digest.hexdigest()[:16]
+
+
 class PackedDocuments:
     """An endless stream of batches over tokenized documents, epoch after epoch, each epoch reshuffled
     from (seed, epoch).
@@ -202,7 +216,9 @@ class PackedDocuments:
             raise DataError(f"no document is left to train on: {long_counts.dropped} of {len(lengths)} documents are "
                             f"longer than seq_len={seq_len} and were dropped; set data.long_docs=split or "
                             f"truncate, or raise seq_len")
-        self.plan_id = f"{documents._fingerprint}/{seq_len}/{seed}/{pack}/{long_docs}"
+        # What the saved position (epoch, row) means: resuming it elsewhere would train on other rows.
+        self.plan = {"tokenized documents": content_fingerprint(documents), "seq_len": seq_len, "seed": seed,
+                     "data.pack": pack, "data.long_docs": long_docs}
         self.epoch, self.row = 0, 0
         self._plan_epoch(0)
         kept = self.pieces[:, 2] - self.pieces[:, 1]
@@ -247,13 +263,30 @@ class PackedDocuments:
         return assemble_batch(self._read(rows), self.seq_len, self.pad_id, self.pack)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "row": self.row, "plan": self.plan_id}
+        return {"epoch": self.epoch, "row": self.row, "plan": self.plan}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["plan"] != self.plan_id:
-            raise DataError(f"this data state was saved for a different dataset or packing ({state['plan']}, now "
-                            f"{self.plan_id}): resume with the same data, seq_len, seed and data options")
+    def load_state_dict(self, state: dict, force: bool = False) -> None:
+        """Continue at the saved position; a state saved for different data or packing is refused, unless
+        `force` (resume_force=true): then the same epoch and row of this data, with a warning."""
+        differences = self.plan_differences(state["plan"])
+        if differences and not force:
+            raise DataError(f"this data state was saved for a different dataset or packing ({differences}): resume "
+                            f"with the same data, seq_len, seed and data options, or pass resume_force=true to "
+                            f"continue at the same epoch and row of this data")
         self.epoch, self.row = int(state["epoch"]), int(state["row"])
+        if differences:
+            log.warning("resume_force=true: continuing at epoch %d, row %d of data that differ from the "
+                        "checkpoint's (%s)", self.epoch, self.row, differences)
+            self._plan_epoch(self.epoch)
+            if self.row >= self.rows_in_epoch:     # this data's epoch is shorter: go on with the next one
+                self.epoch, self.row = self.epoch + 1, 0
+
+    def plan_differences(self, saved: dict | str) -> str:
+        """'key: checkpoint X, now Y' for each part of the plan that differs ('' when none); a plan saved as
+        a string (before content hashing) differs in every part."""
+        saved = saved if isinstance(saved, dict) else {}
+        return "; ".join(f"{key}: checkpoint {saved.get(key)!r}, now {value!r}" for key, value in self.plan.items()
+                         if saved.get(key) != value)
 
 
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,

@@ -70,5 +70,6 @@ class RecallTask:
     def state_dict(self) -> dict:
         return {"index": self.index}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, force: bool = False) -> None:
+        """`force` changes nothing: the sample index is a valid position under any settings."""
         self.index = int(state["index"])

@@ -3,16 +3,20 @@ checks that stop a resume from silently continuing a different run or overwritin
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
 import torch
 
 import trainer.loop
+from data import DataError
+from tests.data_support import checkpoint, text_file  # noqa: F401
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
 from trainer.checkpoint_format import CheckpointError
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.loop import train
+from trainer.optim import lr_multiplier
 
 STEPS = 6
 
@@ -123,9 +127,9 @@ def test_a_resumed_checkpoint_is_released_before_training(tmp_path, monkeypatch)
     train(job_config(tmp_path, "max_steps=2"))
     loaded_weight, restore, step = [], CheckpointManager.restore, trainer.loop.train_step
 
-    def restore_and_watch(manager, loaded, *args):
+    def restore_and_watch(manager, loaded, *args, **kwargs):
         loaded_weight.append(weakref.ref(next(iter(loaded.weights.values()))))
-        return restore(manager, loaded, *args)
+        return restore(manager, loaded, *args, **kwargs)
 
     def step_after_release(*args):
         gc.collect()
@@ -136,3 +140,46 @@ def test_a_resumed_checkpoint_is_released_before_training(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer.loop, "train_step", step_after_release)
     train(job_config(tmp_path, "max_steps=3"))
     assert records(tmp_path)[-1]["step"] == 3
+
+
+def files_job(run_dir, data_path, cache, checkpoint, *overrides):
+    return job_config(run_dir, "data=files", f"data.path={data_path}", f"data.cache_dir={cache}",
+                      f"model.path={checkpoint}", "seq_len=16", *overrides)
+
+
+def test_data_state_follows_content_not_file_time_or_path(tmp_path, text_file, checkpoint, caplog):
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    train(files_job(run, text_file, cache, checkpoint, "max_steps=2"))
+    os.utime(text_file, (1, 1))                  # touched: same content
+    assert train(files_job(run, text_file, cache, checkpoint, "max_steps=3"))["step"] == 3
+    copy = shutil.copy(text_file, tmp_path / "copy.jsonl")
+    assert train(files_job(run, copy, cache, checkpoint, "max_steps=4"))["step"] == 4
+
+    with open(copy, "a") as file:                # a changed dataset is refused, resume_force continues
+        file.write('{"text": "one more document"}\n')
+    with pytest.raises(DataError, match="different dataset.*tokenized documents.*resume_force=true"):
+        train(files_job(run, copy, cache, checkpoint, "max_steps=5"))
+    assert train(files_job(run, copy, cache, checkpoint, "max_steps=5", "resume_force=true"))["step"] == 5
+    assert "resume_force=true" in caplog.text and "tokenized documents" in caplog.text
+
+
+def applied_learning_rates(monkeypatch) -> list[float]:
+    """The learning rate in the optimizer when each step's update is applied."""
+    applied, real_step = [], trainer.loop.train_step
+
+    def recording_step(model, micro_batches, optimizer, *args):
+        applied.append(optimizer.param_groups[0]["lr"])
+        return real_step(model, micro_batches, optimizer, *args)
+    monkeypatch.setattr(trainer.loop, "train_step", recording_step)
+    return applied
+
+
+def test_raising_max_steps_on_resume_follows_the_new_schedule_from_the_resumed_step(tmp_path, monkeypatch):
+    """And a changed optim.lr: the schedule is this job's, evaluated from the resumed step on, with no jump."""
+    schedule = ("optim.warmup_steps=1", "optim.min_lr_ratio=0.1")
+    train(job_config(tmp_path, "max_steps=4", "optim.lr=1e-3", *schedule))
+    applied = applied_learning_rates(monkeypatch)
+    train(job_config(tmp_path, "max_steps=8", "optim.lr=5e-4", *schedule))
+    expected = [5e-4 * lr_multiplier(step - 1, 1, 8, 0.1) for step in range(5, 9)]
+    assert applied == pytest.approx(expected, rel=1e-12)
+    assert [r["lr"] for r in records(tmp_path)[4:]] == pytest.approx(expected, rel=1e-12)

@@ -1,6 +1,6 @@
 """The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint_format): when
 the next periodic one is due, writing one crash-safely, keeping the newest keep_last, and reading and
-restoring one.
+restoring one. Only complete checkpoints are ever deleted, and only by keep_last.
 
 A checkpoint is written into a temporary sibling directory, every file flushed to disk, the directory
 renamed into place, and only then the COMPLETE marker is written. Older checkpoints are deleted only after
@@ -21,6 +21,7 @@ from trainer.checkpoint_format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointE
                                        complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
                                        write_checkpoint, write_complete_marker)
 from trainer.disk_space import check_free_disk, checkpoint_size
+from trainer.optim import continue_schedule
 from trainer.rng_state import restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -77,15 +78,25 @@ class CheckpointManager:
         return final
 
     def prune(self) -> None:
-        """Delete all but the newest `keep_last` complete checkpoints (0 keeps all), and incomplete ones older
-        than the newest complete one."""
+        """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). A directory that is not a
+        complete checkpoint is never deleted: it may hold the only intact copy of some state."""
         complete = self.complete()
-        if not complete:
-            return
-        doomed = complete[:-self.keep_last] if self.keep_last else []
-        doomed += [d for d in step_dirs(self.root) if d not in complete and step_of(d) < step_of(complete[-1])]
-        for directory in doomed:
+        for directory in complete[:-self.keep_last] if self.keep_last else []:
             shutil.rmtree(directory, ignore_errors=True)
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Rename the step directories newer than `step` (checkpoints a resume from `step` skipped as
+        unreadable) to step-<N>.unreadable, so that the saves of the resumed run neither replace nor prune
+        them; returns the new names."""
+        moved = []
+        for directory in step_dirs(self.root):
+            if step_of(directory) > step:
+                target, attempt = directory.with_name(f"{directory.name}.unreadable"), 1
+                while target.exists():
+                    attempt += 1
+                    target = directory.with_name(f"{directory.name}.unreadable-{attempt}")
+                moved.append(directory.rename(target))
+        return moved
 
     # -------------------------------------------------------------------------------------------- reading
 
@@ -98,17 +109,30 @@ class CheckpointManager:
         return read_checkpoint(path)
 
     def read_newest(self) -> LoadedCheckpoint | None:
-        """The newest readable complete checkpoint under `root`; broken ones are skipped with a warning."""
+        """The newest readable checkpoint under `root`, None when there is none; broken ones are skipped with
+        a warning, and when every one is broken, CheckpointError lists them: starting over would lose them."""
+        unreadable = []
         for directory in reversed(step_dirs(self.root)):
             try:
-                return self.read(directory)
+                loaded = self.read(directory)
             except CheckpointError as error:
-                log.warning("skipping %s", error)
+                unreadable.append(str(error))
+                continue
+            for problem in unreadable:
+                log.warning("skipping %s", problem)
+            return loaded
+        if unreadable:
+            listing = "\n  ".join(unreadable)
+            raise CheckpointError(
+                f"no checkpoint in {self.root} can be resumed from:\n  {listing}\nNothing was changed. Repair "
+                f"them, or move them (and metrics.jsonl) out of the run directory to start over in it; "
+                f"resume=<path> continues from a good checkpoint elsewhere; or give a new output_dir.")
         return None
 
     def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler, data) -> Progress:
-        """Put model, optimizer, scheduler, data pipeline and RNGs back in the checkpoint's state."""
+                scheduler, data, force: bool = False) -> Progress:
+        """Put model, optimizer, data pipeline and RNGs back in the checkpoint's state, and the scheduler at
+        its step (of this job's schedule); `force` (resume_force) accepts a data state saved for other data."""
         if is_lora(model):
             from peft import set_peft_model_state_dict
             result = set_peft_model_state_dict(model, loaded.weights)
@@ -129,7 +153,7 @@ class CheckpointManager:
                                       f"settings differ?)")
             model.tie_weights()
         optimizer.load_state_dict(loaded.optimizer)
-        scheduler.load_state_dict(loaded.trainer_state["scheduler"])
-        data.load_state_dict(loaded.trainer_state["data"])
+        continue_schedule(scheduler, loaded.trainer_state["scheduler"])
+        data.load_state_dict(loaded.trainer_state["data"], force=force)
         restore_rng_state(loaded.trainer_state["rng"])
         return loaded.progress

@@ -120,7 +120,7 @@ def train(cfg) -> dict:
     })
     if loaded:
         # Last, so the RNG streams continue exactly where the checkpoint left them.
-        checkpoints.restore(loaded, model, optimizer, scheduler, stream)
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream, force=cfg.resume_force)
 
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
     checkpoints.restart_interval(progress.step)

@@ -36,3 +36,12 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved_state: dict) -> None:
+    """Resume at the saved step on this job's schedule (its optim settings and max_steps, which may differ
+    from the checkpoint's): the next step's learning rate is the one this schedule gives at that step.
+    Call after the optimizer's state is loaded, which brings back the learning rate it last applied."""
+    step = saved_state["last_epoch"]
+    scheduler.load_state_dict(saved_state | {"base_lrs": scheduler.base_lrs, "last_epoch": step - 1})
+    scheduler.step()     # to the saved step, setting the optimizer's learning rate from this schedule

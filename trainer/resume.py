@@ -7,13 +7,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint_format import CheckpointError, LoadedCheckpoint, step_of
+from trainer.checkpoint_format import (BASE_MODEL_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs,
+                                       step_of)
 from trainer.checkpoint_manager import CheckpointManager
+from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
 
 # Settings that change what the weights mean: resuming across a change to one of them is refused.
 RUN_DEFINING_KEYS = ("model", "train", "data", "seq_len", "batch_size", "seed")
+# Where the data is read from and how it is prepared: the data state's content hash checks the data itself.
+NOT_RUN_DEFINING = ("data.path", "data.cache_dir", "data.num_proc")
 FRESH = ("false", "none", "no", "off", "")
 
 
@@ -33,7 +37,8 @@ def config_differences(saved_yaml: str, cfg) -> list[str]:
     before = flatten({key: saved.get(key) for key in RUN_DEFINING_KEYS})
     after = flatten({key: current.get(key) for key in RUN_DEFINING_KEYS})
     return [f"{key}: checkpoint {before.get(key)!r}, now {after.get(key)!r}"
-            for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
+            for key in sorted(set(before) | set(after))
+            if before.get(key) != after.get(key) and key not in NOT_RUN_DEFINING]
 
 
 def check_same_run(loaded: LoadedCheckpoint, cfg) -> None:
@@ -50,35 +55,75 @@ def check_same_run(loaded: LoadedCheckpoint, cfg) -> None:
         f"resume_force=true to continue anyway.")
 
 
-def refuse_overwrite(checkpoints: CheckpointManager, resumed_step: int | None, cfg) -> None:
-    """A new run, or a resume from an older step, would overwrite and prune the checkpoints already in
-    the run directory; refuse instead of losing them."""
-    newer = [d for d in checkpoints.complete() if resumed_step is None or step_of(d) > resumed_step]
-    if not newer:
-        return
-    what = "starting fresh" if resumed_step is None else f"resuming from step {resumed_step}"
-    raise CheckpointError(
-        f"output_dir={cfg.output_dir} already holds checkpoints ({', '.join(d.name for d in newer)}) that "
-        f"{what} would overwrite: give a new output_dir (resume=<checkpoint path> works across run "
-        f"directories), or resume=auto to continue from the newest.")
+def earlier_work(run_dir: Path, checkpoints: CheckpointManager) -> list[str]:
+    """What an earlier run left in run_dir that a run not continuing it would overwrite or delete: step
+    directories (complete or not), recorded metrics, the kept random base. (A config.yaml alone is from a
+    run that stopped before its first step.)"""
+    work = [f"{CHECKPOINTS_DIR}/{d.name}" for d in step_dirs(checkpoints.root)]
+    metrics = run_dir / METRICS_FILE
+    recorded = len(read_records(metrics)) if metrics.is_file() else 0
+    if recorded:
+        work.append(f"{METRICS_FILE} ({recorded} steps recorded)")
+    if (run_dir / BASE_MODEL_DIR).is_dir():
+        work.append(f"{BASE_MODEL_DIR}/")
+    return work
+
+
+def refuse_earlier_work(checkpoints: CheckpointManager, starting: str, cfg) -> None:
+    """A new run, or a resume from another run directory, must find output_dir free of an earlier run's
+    work: its saves, rotation and metrics would overwrite or delete it."""
+    work = earlier_work(Path(cfg.output_dir), checkpoints)
+    if work:
+        continuing = "; resume=auto continues its newest checkpoint" if checkpoints.complete() else ""
+        raise CheckpointError(
+            f"output_dir={cfg.output_dir} holds an earlier run's work ({', '.join(work)}) that {starting} would "
+            f"overwrite or delete: give a new output_dir (resume=<checkpoint path> works across run "
+            f"directories), or move them away{continuing}.")
+
+
+def refuse_newer_checkpoints(checkpoints: CheckpointManager, resumed_step: int, cfg) -> None:
+    """A resume from an older step of this run directory would overwrite and prune its newer checkpoints."""
+    newer = [d for d in checkpoints.complete() if step_of(d) > resumed_step]
+    if newer:
+        raise CheckpointError(
+            f"output_dir={cfg.output_dir} already holds checkpoints ({', '.join(d.name for d in newer)}) that "
+            f"resuming from step {resumed_step} would overwrite: give a new output_dir (resume=<checkpoint "
+            f"path> works across run directories), or resume=auto to continue from the newest.")
+
+
+def in_run_dir(loaded: LoadedCheckpoint, checkpoints: CheckpointManager) -> bool:
+    return loaded.path.resolve().parent == checkpoints.root.resolve()
+
+
+def set_aside_skipped(checkpoints: CheckpointManager, resumed_step: int) -> None:
+    for moved in checkpoints.set_aside_after(resumed_step):
+        log.warning("set aside %s, which resuming from step %d skipped, so that no save replaces it",
+                    moved, resumed_step)
 
 
 def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoint | None:
-    """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run."""
+    """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run. Nothing
+    that the run would not continue is left where its saves could overwrite or delete it."""
     setting = str(cfg.resume).strip()
     if setting.lower() in FRESH:
-        refuse_overwrite(checkpoints, None, cfg)
+        refuse_earlier_work(checkpoints, "a new run", cfg)
         return None
     if setting.lower() == "auto":
         loaded = checkpoints.read_newest()
         if loaded is None:
+            refuse_earlier_work(checkpoints, "a new run", cfg)
             log.info("resume=auto: no checkpoint in %s, starting a new run (pass output_dir=<run dir> of an "
                      "earlier job to continue it)", checkpoints.root)
             return None
     else:
         loaded = checkpoints.read(Path(setting))
-        refuse_overwrite(checkpoints, loaded.progress.step, cfg)
+        if in_run_dir(loaded, checkpoints):
+            refuse_newer_checkpoints(checkpoints, loaded.progress.step, cfg)
+        else:
+            refuse_earlier_work(checkpoints, f"resuming {loaded.path} from another run directory", cfg)
     check_same_run(loaded, cfg)
+    if in_run_dir(loaded, checkpoints):
+        set_aside_skipped(checkpoints, loaded.progress.step)
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,
              loaded.progress.tokens_seen)
     return loaded
