@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import LlamaConfig
@@ -24,15 +24,19 @@ class HFCheckpointError(ValueError):
     """A Hugging Face model directory that is missing, incomplete or does not match the model."""
 
 
+def read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise HFCheckpointError(f"{file} is not valid JSON: {error}") from error
+
+
 def read_config(path: Path) -> LlamaConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
                               f"(config.json and *.safetensors)")
-    try:
-        values = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise HFCheckpointError(f"{config_file} is not valid JSON: {error}") from error
+    values = read_json(config_file)
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
     return LlamaConfig.from_dict(values)
@@ -42,7 +46,7 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors files named by the index, or every *.safetensors file when there is no index."""
     index = path / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index)["weight_map"].values()))
         missing = [name for name in names if not (path / name).is_file()]
         if missing:
             raise HFCheckpointError(f"{index} names shard files that are missing from {path}: {missing}")
@@ -52,6 +56,24 @@ def weight_files(path: Path) -> list[Path]:
         raise HFCheckpointError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not "
                               f"supported: convert them with save_pretrained(safe_serialization=True))")
     return files
+
+
+def read_shard(file: Path, expected: dict, tied: bool, dtype: torch.dtype,
+               device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, each checked against the model's name and shape."""
+    state = {}
+    with safe_open(str(file), framework="pt", device=str(device)) as shard:
+        for name in shard.keys():
+            if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            if name not in expected:
+                raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
+            tensor = shard.get_tensor(name)
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                        f"config.json implies {tuple(expected[name].shape)}")
+            state[name] = tensor.to(dtype)
+    return state
 
 
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str):
@@ -67,17 +89,11 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.dev
         expected.pop("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
-                tensor = shard.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(expected[name].shape)}")
-                state[name] = tensor.to(dtype)
+        try:
+            state.update(read_shard(file, expected, cfg.tie_word_embeddings, dtype, device))
+        except SafetensorError as error:
+            raise HFCheckpointError(f"{file} is truncated or damaged ({error}): copy or download this file "
+                                    f"again") from error
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
