@@ -17,6 +17,7 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
+from data.file_problems import files_problem
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
 from data.tokenize import (DataError, check_tokenizer_files, check_vocabulary, load_tokenizer, tokenize_chat,
                            tokenize_texts)
@@ -99,7 +100,9 @@ def load_records(source: LocalSource, cfg: DataConfig):
     except DataError:
         raise
     except Exception as error:
-        raise DataError(f"could not read data.path={source.path!r}: {type(error).__name__}: {error}") from error
+        problem = source.builder and files_problem(source.files, source.builder)
+        raise DataError(f"could not read data.path={source.path!r}: "
+                        f"{problem or f'{type(error).__name__}: {error}'}") from error
     if len(records) == 0:
         raise DataError(f"data.path={source.path!r} holds no records")
     return records
