@@ -1,14 +1,17 @@
-"""Hugging Face model directories (config.json + safetensors): loading a local Llama checkpoint, and
-writing our model as one that transformers loads (the export)."""
+"""Hugging Face model directories (config.json + safetensors, with a tokenizer and generation_config.json
+beside them): loading a local Llama checkpoint, and writing our model as one that transformers loads (the
+export)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from data.tokenize import tokenizer_files
 from model.config import LlamaConfig
 from model.llama import unwrap_llama
 from storage.atomic import atomic_directory
@@ -16,6 +19,9 @@ from storage.atomic import atomic_directory
 # The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# config.json entries that are not architecture: generation and the tokenizer depend on them.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Buffers some older checkpoints carry; we recompute them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -40,6 +46,19 @@ def read_config(path: Path) -> LlamaConfig:
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
     return LlamaConfig.from_dict(values)
+
+
+def token_ids(path: Path) -> dict:
+    """The bos/eos/pad token ids that <path>/config.json sets."""
+    values = read_json(path / "config.json")
+    return {key: values[key] for key in TOKEN_ID_KEYS if key in values}
+
+
+def companion_files(path: Path) -> list[Path]:
+    """What a model directory holds besides config and weights that a user of the model needs: the
+    tokenizer's files and generation_config.json."""
+    generation = path / GENERATION_CONFIG_FILE
+    return tokenizer_files(path) + ([generation] if generation.is_file() else [])
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -128,9 +147,13 @@ def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
 
 
-def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path) -> Path:
-    """A Hugging Face model directory (config.json + model.safetensors), written atomically."""
+def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path,
+                  companions: list[Path] = ()) -> Path:
+    """A Hugging Face model directory (config.json + model.safetensors, and copies of `companions`: the
+    tokenizer and generation config of the model it came from), written atomically."""
     with atomic_directory(directory) as temp:
         save_weights(weights, temp)
         (temp / "config.json").write_text(json.dumps(config, indent=1))
+        for file in companions:
+            shutil.copy2(file, temp / file.name)
     return directory
