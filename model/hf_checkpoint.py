@@ -11,7 +11,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data.tokenize import tokenizer_files
 from model.config import LlamaConfig
 from model.llama import unwrap_llama
 from storage.atomic import atomic_directory
@@ -19,7 +18,6 @@ from storage.atomic import atomic_directory
 # The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 # config.json entries that are not architecture: generation and the tokenizer depend on them.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Buffers some older checkpoints carry; we recompute them.
@@ -52,13 +50,6 @@ def token_ids(path: Path) -> dict:
     """The bos/eos/pad token ids that <path>/config.json sets."""
     values = read_json(path / "config.json")
     return {key: values[key] for key in TOKEN_ID_KEYS if key in values}
-
-
-def companion_files(path: Path) -> list[Path]:
-    """What a model directory holds besides config and weights that a user of the model needs: the
-    tokenizer's files and generation_config.json."""
-    generation = path / GENERATION_CONFIG_FILE
-    return tokenizer_files(path) + ([generation] if generation.is_file() else [])
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -22,8 +22,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from model.hf_checkpoint import (WEIGHTS_FILE, companion_files, full_weights, read_config,  # noqa: E402
-                                 token_ids, weight_files)
+from data.tokenize import tokenizer_files  # noqa: E402
+from model.hf_checkpoint import WEIGHTS_FILE, full_weights, read_config, token_ids, weight_files  # noqa: E402
 from trainer.build import architecture  # noqa: E402
 from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
                                        load_adapter, marker_problem)
@@ -31,6 +31,7 @@ from trainer.disk_space import save_hf_model_if_room  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class ExportError(RuntimeError):
@@ -40,6 +41,13 @@ class ExportError(RuntimeError):
 def stored_dtype(weights_file: Path) -> torch.dtype:
     with safe_open(str(weights_file), framework="pt") as file:
         return SAFETENSORS_DTYPES[file.get_slice(next(iter(file.keys()))).get_dtype()]
+
+
+def companion_files(model_dir: Path) -> list[Path]:
+    """What a model directory holds besides config and weights that users of the model need: the tokenizer's
+    files and generation_config.json."""
+    generation = model_dir / GENERATION_CONFIG_FILE
+    return tokenizer_files(model_dir) + ([generation] if generation.is_file() else [])
 
 
 def lora_base_dir(checkpoint: Path, cfg) -> Path:
