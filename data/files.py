@@ -18,9 +18,10 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
+from data.file_problems import files_problem
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
 from data.tokenize import (DataError, check_tokenizer_files, check_vocabulary, load_tokenizer, tokenize_chat,
-                           tokenize_texts)
+                           tokenize_texts, tokenizer_files)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ def load_records(source: LocalSource, cfg: DataConfig):
     except DataError:
         raise
     except Exception as error:
-        raise DataError(f"could not read data.path={source.path!r}: {type(error).__name__}: {error}") from error
+        problem = source.builder and files_problem(source.files, source.builder)
+        raise DataError(f"could not read data.path={source.path!r}: "
+                        f"{problem or f'{type(error).__name__}: {error}'}") from error
     if len(records) == 0:
         raise DataError(f"data.path={source.path!r} holds no records")
     return records
@@ -131,10 +134,7 @@ def tokenize_batch(batch: dict, indices: list[int], tokenizer, fmt: str, field: 
 def tokenizer_fingerprint(tokenizer_path: str) -> list[str]:
     """Content hashes of the tokenizer's files, so a changed tokenizer re-tokenizes."""
     from datasets.fingerprint import Hasher
-    directory = Path(tokenizer_path).expanduser()
-    files = sorted(p for p in directory.iterdir() if p.is_file() and (
-        p.name.startswith(("tokenizer", "special_tokens", "chat_template", "added_tokens"))))
-    return [Hasher.hash(file.read_bytes()) for file in files]
+    return [Hasher.hash(file.read_bytes()) for file in tokenizer_files(Path(tokenizer_path).expanduser())]
 
 
 def tokenize_records(records, cfg: DataConfig, tokenizer, tokenizer_path: str, fmt: str, field: str):

@@ -14,6 +14,8 @@ from data.packing import Document
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Any of these marks a directory as holding a Hugging Face tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Every file of a saved tokenizer starts with one of these (save_pretrained's names).
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens", "chat_template", "added_tokens")
 # Used when the tokenizer has no chat template: "<|role|>\n" + content + EOS per message, and
 # "<|assistant|>\n" as the generation prompt, so a reply (content + EOS) is exactly the supervised part.
 FALLBACK_CHAT_TEMPLATE = (
@@ -30,6 +32,11 @@ def check_tokenizer_files(path: str) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise DataError(f"model.path={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
                         f"checkpoint's tokenizer files into it (AutoTokenizer.save_pretrained)")
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    """The files of the tokenizer saved in `directory` (a model directory), sorted by name."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILE_PREFIXES))
 
 
 def load_tokenizer(path: str):

@@ -1,12 +1,14 @@
-"""Hugging Face model directories (config.json + safetensors): loading a local Llama checkpoint, and
-writing our model as one that transformers loads (the export)."""
+"""Hugging Face model directories (config.json + safetensors, with a tokenizer and generation_config.json
+beside them): loading a local Llama checkpoint, and writing our model as one that transformers loads (the
+export)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import LlamaConfig
@@ -16,6 +18,8 @@ from storage.atomic import atomic_directory
 # The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# config.json entries that are not architecture: generation and the tokenizer depend on them.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Buffers some older checkpoints carry; we recompute them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -24,25 +28,35 @@ class HFCheckpointError(ValueError):
     """A Hugging Face model directory that is missing, incomplete or does not match the model."""
 
 
+def read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise HFCheckpointError(f"{file} is not valid JSON: {error}") from error
+
+
 def read_config(path: Path) -> LlamaConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
                               f"(config.json and *.safetensors)")
-    try:
-        values = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise HFCheckpointError(f"{config_file} is not valid JSON: {error}") from error
+    values = read_json(config_file)
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
     return LlamaConfig.from_dict(values)
+
+
+def token_ids(path: Path) -> dict:
+    """The bos/eos/pad token ids that <path>/config.json sets."""
+    values = read_json(path / "config.json")
+    return {key: values[key] for key in TOKEN_ID_KEYS if key in values}
 
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files named by the index, or every *.safetensors file when there is no index."""
     index = path / INDEX_FILE
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index)["weight_map"].values()))
         missing = [name for name in names if not (path / name).is_file()]
         if missing:
             raise HFCheckpointError(f"{index} names shard files that are missing from {path}: {missing}")
@@ -52,6 +66,24 @@ def weight_files(path: Path) -> list[Path]:
         raise HFCheckpointError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not "
                               f"supported: convert them with save_pretrained(safe_serialization=True))")
     return files
+
+
+def read_shard(file: Path, expected: dict, tied: bool, dtype: torch.dtype,
+               device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, each checked against the model's name and shape."""
+    state = {}
+    with safe_open(str(file), framework="pt", device=str(device)) as shard:
+        for name in shard.keys():
+            if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            if name not in expected:
+                raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
+            tensor = shard.get_tensor(name)
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                        f"config.json implies {tuple(expected[name].shape)}")
+            state[name] = tensor.to(dtype)
+    return state
 
 
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str):
@@ -67,17 +99,11 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.dev
         expected.pop("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
-                tensor = shard.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(expected[name].shape)}")
-                state[name] = tensor.to(dtype)
+        try:
+            state.update(read_shard(file, expected, cfg.tie_word_embeddings, dtype, device))
+        except SafetensorError as error:
+            raise HFCheckpointError(f"{file} is truncated or damaged ({error}): copy or download this file "
+                                    f"again") from error
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -112,9 +138,13 @@ def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
 
 
-def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path) -> Path:
-    """A Hugging Face model directory (config.json + model.safetensors), written atomically."""
+def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path,
+                  companions: list[Path] = ()) -> Path:
+    """A Hugging Face model directory (config.json + model.safetensors, and copies of `companions`: the
+    tokenizer and generation config of the model it came from), written atomically."""
     with atomic_directory(directory) as temp:
         save_weights(weights, temp)
         (temp / "config.json").write_text(json.dumps(config, indent=1))
+        for file in companions:
+            shutil.copy2(file, temp / file.name)
     return directory

@@ -4,8 +4,10 @@
 
 LoRA checkpoints are merged into their base: model.path from the checkpoint's config, or for a random-init
 base the <run dir>/base_model/ the trainer kept. Full fine-tuning checkpoints are written as they are. The
-output loads with transformers.AutoModelForCausalLM.from_pretrained(<out dir>). --dtype auto keeps the
-dtype the weights are stored in (the base's, for LoRA).
+tokenizer files, generation_config.json and bos/eos/pad token ids of the model it came from (model.path)
+are carried over, so the output loads with transformers.AutoModelForCausalLM.from_pretrained(<out dir>),
+AutoTokenizer and pipeline("text-generation", model=<out dir>). --dtype auto keeps the dtype the weights
+are stored in (the base's, for LoRA).
 """
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from model.hf_checkpoint import WEIGHTS_FILE, full_weights, read_config, weight_files  # noqa: E402
+from data.tokenize import tokenizer_files  # noqa: E402
+from model.hf_checkpoint import WEIGHTS_FILE, full_weights, read_config, token_ids, weight_files  # noqa: E402
 from trainer.build import architecture  # noqa: E402
 from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
-                                       marker_problem)
+                                       load_adapter, marker_problem)
 from trainer.disk_space import save_hf_model_if_room  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class ExportError(RuntimeError):
@@ -37,6 +41,13 @@ class ExportError(RuntimeError):
 def stored_dtype(weights_file: Path) -> torch.dtype:
     with safe_open(str(weights_file), framework="pt") as file:
         return SAFETENSORS_DTYPES[file.get_slice(next(iter(file.keys()))).get_dtype()]
+
+
+def companion_files(model_dir: Path) -> list[Path]:
+    """What a model directory holds besides config and weights that users of the model need: the tokenizer's
+    files and generation_config.json."""
+    generation = model_dir / GENERATION_CONFIG_FILE
+    return tokenizer_files(model_dir) + ([generation] if generation.is_file() else [])
 
 
 def lora_base_dir(checkpoint: Path, cfg) -> Path:
@@ -51,18 +62,16 @@ def lora_base_dir(checkpoint: Path, cfg) -> Path:
     return base
 
 
-def merged_lora(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+def merged_lora(checkpoint: Path, base_dir: Path) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     """(weights, config.json, stored dtype) of the base with the adapter merged in, computed in fp32."""
-    from peft import PeftModel
-    base_dir = lora_base_dir(checkpoint, cfg)
     base = Llama.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu")
-    merged = PeftModel.from_pretrained(base, checkpoint / ADAPTER_DIR).merge_and_unload()
+    merged = load_adapter(base, checkpoint / ADAPTER_DIR).merge_and_unload()
     return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])
 
 
-def full_model(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     from safetensors.torch import load_file
-    config = read_config(Path(cfg.model.path).expanduser()) if cfg.model.path else architecture(cfg.model)
+    config = read_config(source) if source else architecture(cfg.model)
     weights = load_file(checkpoint / WEIGHTS_FILE)
     return weights, config.to_hf_dict(), stored_dtype(checkpoint / WEIGHTS_FILE)
 
@@ -80,10 +89,14 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
     lora = (checkpoint / ADAPTER_DIR).is_dir()
-    weights, config, stored = merged_lora(checkpoint, cfg) if lora else full_model(checkpoint, cfg)
+    # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
+    source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()
+    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg, source)
     target = stored if dtype == "auto" else DTYPES[dtype]
+    config |= token_ids(source) if source else {}
     config["torch_dtype"] = str(target).removeprefix("torch.")
-    return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir)
+    return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir,
+                                 companion_files(source) if source else [])
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from tests.jobs_support import REPO, checkpoint_weights, job_config, records, si
 from model import Llama
 from storage.atomic import atomic_directory
 from trainer.build import architecture
-from trainer.checkpoint_format import CheckpointError, marker_problem
+from trainer.checkpoint_format import CheckpointError, load_adapter, marker_problem
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.loop import train
 
@@ -34,9 +34,8 @@ def test_lora_checkpoint_holds_everything_needed_to_continue(tmp_path):
     assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"} and state["data"]
     assert torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
 
-    from peft import PeftModel
     cfg = job_config(tmp_path)
-    adapted = PeftModel.from_pretrained(Llama.from_config(architecture(cfg.model)), checkpoint / "adapter")
+    adapted = load_adapter(Llama.from_config(architecture(cfg.model)), checkpoint / "adapter")
     saved = checkpoint_weights(checkpoint)
     loaded = {name: p for name, p in adapted.named_parameters() if "lora_" in name}
     assert len(loaded) == len(saved) > 0

@@ -1,4 +1,7 @@
-"""The `files` source on `datasets`: formats, packing stats, shuffling, caching and exact resume."""
+"""The `files` source on `datasets`: formats, packing stats, shuffling, caching, exact resume and errors that
+name the file."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -160,3 +163,31 @@ def test_document_lengths_are_read_as_whole_arrow_columns(monkeypatch):
     assert sorted(stream.pieces[:, 0].tolist())[:5] == [0, 1, 1, 2, 4]   # lengths 5, 12 (split), 7, 0, 3
     assert stream.pieces[stream.pieces[:, 0] == 996].tolist() == [[996, 0, 10], [996, 10, 12]]
     assert next(stream).num_tokens == 20
+
+
+@pytest.mark.parametrize("name,content,line", [
+    ("docs.jsonl", '{"text": "a"}\n\n{"text": "b"}\n{"text": "c", oops}\n{"text": "d"}\n', 4),
+    ("docs.json", '[{"text": "a"},\n {"text": "b"},\n {"text": "c" "d"}]\n', 3)])
+def test_a_malformed_json_line_is_named_with_its_file_and_line(tmp_path, checkpoint, name, content, line):
+    suffix = Path(name).suffix
+    write_jsonl(tmp_path / f"good{suffix}", [{"text": "fine"}])
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=f"{tmp_path / name} line {line}: not valid JSON"):
+        build_data(files_config(tmp_path / f"*{suffix}", tmp_path), 10, 1, 0, 64, str(checkpoint))
+
+
+def test_a_glob_mixing_text_and_chat_records_names_the_files_and_their_fields(tmp_path, checkpoint):
+    write_jsonl(tmp_path / "a_text.jsonl", [{"text": "hello"}])
+    write_jsonl(tmp_path / "b_text.jsonl", [{"text": "bye"}])
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(DataError, match=r"different fields: .*a_text.jsonl, .*b_text.jsonl: \['text'\]; "
+                                        r".*chat.jsonl: \['messages'\]"):
+        build_data(files_config(tmp_path / "*.jsonl", tmp_path), 10, 1, 0, 64, str(checkpoint))
+
+
+def test_parquet_files_with_different_columns_are_named(tmp_path, checkpoint):
+    import datasets
+    datasets.Dataset.from_list([{"text": "hello"}]).to_parquet(str(tmp_path / "a.parquet"))
+    datasets.Dataset.from_list([{"messages": CHAT, "id": 1}]).to_parquet(str(tmp_path / "b.parquet"))
+    with pytest.raises(DataError, match=r"a.parquet: \['text'\]; .*b.parquet: \['id', 'messages'\]"):
+        build_data(files_config(tmp_path / "*.parquet", tmp_path), 10, 1, 0, 64, str(checkpoint))

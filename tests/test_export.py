@@ -1,22 +1,31 @@
-"""scripts/export.py: merged Hugging Face checkpoints that transformers loads and that give our model's
-logits, for LoRA on a real base, LoRA on a random init, and full fine-tuning."""
+"""scripts/export.py and the saved adapter in the Hugging Face stack: merged checkpoints that transformers
+loads and that give our model's logits (LoRA on a real base, LoRA on a random init, full fine-tuning), a
+complete model directory (tokenizer, generation config, token ids) that AutoTokenizer and pipeline() read,
+and adapters that peft's AutoPeftModelForCausalLM loads onto transformers' Llama."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.data_support import save_tokenizer
 from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
 from model import Llama
 from scripts.export import ExportError, export
+from trainer.checkpoint_format import ADAPTER_DIR, load_adapter
 from trainer.loop import train
 from model import unwrap_llama
 
 TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
 # A high learning rate so a few steps move the adapters visibly away from the base.
 TRAIN = ["max_steps=3", "optim.lr=1e-2"]
+# Token ids of the test tokenizer's <s>, </s> and <pad> (tests.data_support.save_tokenizer).
+BOS, EOS, PAD = 2, 3, 1
+# What a Hugging Face model directory holds besides its weights and config.json; export copies them.
+COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def our_logits(model: torch.nn.Module) -> torch.Tensor:
@@ -32,32 +41,78 @@ def hf_logits(directory) -> torch.Tensor:
 
 
 def trained_lora(base_dir, checkpoint) -> torch.nn.Module:
-    from peft import PeftModel
-    return PeftModel.from_pretrained(Llama.from_pretrained(str(base_dir), dtype=torch.float32), checkpoint / "adapter")
+    return load_adapter(Llama.from_pretrained(str(base_dir), dtype=torch.float32), checkpoint / ADAPTER_DIR)
+
+
+def auto_peft_logits(checkpoint) -> torch.Tensor:
+    """The adapter on transformers' Llama, found by AutoPeftModelForCausalLM from the adapter alone."""
+    from peft import AutoPeftModelForCausalLM
+    model = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint / ADAPTER_DIR), dtype=torch.float32)
+    with torch.no_grad():
+        return model(TOKENS).logits
 
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
-    """A tiny random transformers LlamaForCausalLM, saved with save_pretrained."""
+    """A tiny random transformers LlamaForCausalLM with token ids in its config, saved with save_pretrained
+    (config.json, generation_config.json, weights) next to a tokenizer trained here."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         rope_theta=10000.0, tie_word_embeddings=False)
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS,
+                         pad_token_id=PAD)
     directory = tmp_path_factory.mktemp("hf_base")
     LlamaForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(directory)
     return directory
 
 
-def test_lora_on_a_pretrained_base_exports_merged_weights_with_the_same_logits(tmp_path, hf_base):
-    train(job_config(tmp_path / "run", "train=lora", f"model.path={hf_base}", *TRAIN))
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-3"
-    done = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), str(tmp_path / "hf")], cwd=REPO,
+@pytest.fixture(scope="module")
+def pretrained_lora(tmp_path_factory, hf_base):
+    """(checkpoint, export) of a LoRA run on hf_base, exported by the command line."""
+    run = tmp_path_factory.mktemp("pretrained_lora")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)         # as tests.jobs_support.single_torch_thread, for this module-wide run
+    try:
+        train(job_config(run / "run", "train=lora", f"model.path={hf_base}", *TRAIN))
+    finally:
+        torch.set_num_threads(threads)
+    checkpoint = run / "run" / "checkpoints" / "step-3"
+    done = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), str(run / "hf")], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    return checkpoint, run / "hf"
+
+
+def test_lora_on_a_pretrained_base_exports_merged_weights_with_the_same_logits(pretrained_lora, hf_base):
+    checkpoint, exported = pretrained_lora
     expected = our_logits(trained_lora(hf_base, checkpoint))
     assert not torch.allclose(expected, hf_logits(hf_base), atol=1e-3)     # the adapter changed something
-    torch.testing.assert_close(hf_logits(tmp_path / "hf"), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hf_logits(exported), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_export_copies_the_tokenizer_generation_config_and_token_ids(pretrained_lora, hf_base):
+    from transformers import AutoTokenizer, pipeline
+    _, exported = pretrained_lora
+    for name in COMPANION_FILES:
+        assert (exported / name).read_bytes() == (hf_base / name).read_bytes(), name
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (BOS, EOS, PAD)
+    tokenizer = AutoTokenizer.from_pretrained(str(exported))
+    assert tokenizer("the cat sat").input_ids == AutoTokenizer.from_pretrained(str(hf_base))("the cat sat").input_ids
+    generate = pipeline("text-generation", model=str(exported), device="cpu")
+    reply = generate("the cat sat", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert reply.startswith("the cat sat")
+
+
+def test_the_adapter_loads_with_auto_peft_onto_transformers_llama(pretrained_lora, hf_base):
+    checkpoint, _ = pretrained_lora
+    adapter_config = json.loads((checkpoint / ADAPTER_DIR / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(hf_base.resolve())
+    assert adapter_config["task_type"] == "CAUSAL_LM" and adapter_config.get("auto_mapping") is None
+    torch.testing.assert_close(auto_peft_logits(checkpoint), our_logits(trained_lora(hf_base, checkpoint)),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_lora_on_a_random_init_merges_into_the_kept_base(tmp_path):
@@ -66,6 +121,7 @@ def test_lora_on_a_random_init_merges_into_the_kept_base(tmp_path):
     export(checkpoint, tmp_path / "hf")
     expected = our_logits(trained_lora(tmp_path / "run" / "base_model", checkpoint))
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(auto_peft_logits(checkpoint), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_full_fine_tuning_exports_the_trained_weights(tmp_path):

@@ -1,11 +1,14 @@
-"""Loading local HF checkpoints: sharded or not, and clear errors for broken directories."""
+"""Loading local HF checkpoints: sharded or not, and clear errors for broken directories and damaged files."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from model import HFCheckpointError, Llama
+from tests.jobs_support import FAST, REPO
 
 TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, model_type="llama")
@@ -82,3 +85,43 @@ def test_malformed_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(HFCheckpointError, match="not valid JSON"):
         Llama.from_pretrained(tmp_path)
+
+
+def truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def garble_header(file):
+    file.write_bytes(b"\xff" * 16 + file.read_bytes()[16:])
+
+
+@pytest.mark.parametrize("damage", [truncate, garble_header])
+def test_truncated_or_garbled_shard_is_named(tmp_path, damage):
+    write_checkpoint(tmp_path, shards=2)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    damage(shard)
+    with pytest.raises(HFCheckpointError, match=f"{shard}.*truncated or damaged"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_garbled_index_is_named(tmp_path):
+    write_checkpoint(tmp_path, shards=2)
+    (tmp_path / "model.safetensors.index.json").write_text("{\"weight_map\": ")
+    with pytest.raises(HFCheckpointError, match="model.safetensors.index.json is not valid JSON"):
+        Llama.from_pretrained(tmp_path)
+
+
+def test_train_py_reports_a_damaged_shard_in_one_line(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    write_checkpoint(checkpoint, shards=2)
+    first, second = sorted(checkpoint.glob("*.safetensors"))
+    truncate(first)
+    garble_header(second)
+    done = subprocess.run([sys.executable, "train.py", *FAST, f"output_dir={tmp_path / 'run'}",
+                           f"model.path={checkpoint}", "train=lora"], cwd=REPO, capture_output=True, text=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "ERROR" in line or first.name in line]
+    assert len(errors) == 1 and first.name in errors[0], output

@@ -15,6 +15,7 @@ from model.lora import fuse_adapter_products
 from offload.plan import MemoryPlan, plan_memory
 from offload.policy import MemoryPolicy, apply_memory_policy
 from offload.state_layouts import weights_dtype
+from trainer.checkpoint_format import BASE_MODEL_DIR
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,7 +89,7 @@ def build_model(cfg, device: torch.device) -> Built:
                     "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
-        model = apply_lora(model, cfg.train)
+        model = apply_lora(model, cfg.train, lora_base_path(cfg))
         fuse_adapter_products(model)
         if dtype == torch.bfloat16:
             keep_adapter_inputs_in_bf16(model)
@@ -96,12 +97,31 @@ def build_model(cfg, device: torch.device) -> Built:
     return Built(model, plan, policy)
 
 
-def apply_lora(model: Llama, train_cfg) -> torch.nn.Module:
-    """Wrap in peft LoRA adapters; the base is frozen and the adapters are kept in fp32."""
+def lora_base_path(cfg) -> str | None:
+    """Where the saved adapter's base lives: model.path, or for a random init the base_model/ directory the
+    run keeps (trainer.loop.keep_random_base); None when it keeps none."""
+    if cfg.model.path:
+        return str(Path(cfg.model.path).expanduser().resolve())
+    if cfg.checkpoint.save_random_base:
+        return str(Path(cfg.output_dir).expanduser().resolve() / BASE_MODEL_DIR)
+    return None
+
+
+def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:
+    """Wrap in peft LoRA adapters; the base is frozen and the adapters are kept in fp32.
+
+    The saved adapter_config.json names `base_path` and task_type CAUSAL_LM, so that
+    peft.AutoPeftModelForCausalLM.from_pretrained(<adapter dir>) loads it onto transformers' Llama. Both are
+    set after wrapping: get_peft_model would replace the path with the model's own name_or_path, and with a
+    task type it would pick peft's causal-LM wrapper, whose forward passes transformers' generation
+    arguments that our Llama does not take; the generic wrapper keeps our forward as it is."""
     from peft import LoraConfig, get_peft_model
     lora = LoraConfig(r=train_cfg.lora_r, lora_alpha=train_cfg.lora_alpha, lora_dropout=train_cfg.lora_dropout,
                       target_modules=list(train_cfg.lora_target_modules), bias="none")
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    saved = model.peft_config[model.active_adapter]
+    saved.task_type, saved.base_model_name_or_path = "CAUSAL_LM", base_path
+    return model
 
 
 def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:

@@ -1,8 +1,9 @@
 """One training checkpoint on disk, <run dir>/checkpoints/step-<N>/: what it holds, writing and reading it,
 and the COMPLETE marker that tells a complete one from an interrupted save.
 
-Contents: the trainable weights (LoRA: peft's adapter format in adapter/, loadable with
-peft.PeftModel.from_pretrained; full fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
+Contents: the trainable weights (LoRA: peft's adapter format in adapter/, which names its base and task so
+that peft.AutoPeftModelForCausalLM loads it onto transformers' Llama, and load_adapter onto ours; full
+fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
 scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
 and config.yaml (the resolved config of the run). The COMPLETE marker, written last, lists every file and
 its size; a directory without a valid marker is incomplete and never resumed from.
@@ -77,7 +78,9 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
                      progress: Progress, config_yaml: str) -> None:
     """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later."""
     if is_lora(model):
-        model.save_pretrained(directory / ADAPTER_DIR)
+        # The vocabulary is never resized, so the base's embeddings never belong in the adapter; "auto" would
+        # read the base's config (model.path, or the hub) to find out.
+        model.save_pretrained(directory / ADAPTER_DIR, save_embedding_layers=False)
     else:
         save_weights(full_weights(model), directory)
     torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
@@ -85,6 +88,16 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
                directory / STATE_FILE)
     (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress) | {"saved_at": time.time()}, indent=1))
     (directory / CONFIG_FILE).write_text(config_yaml)
+
+
+def load_adapter(llama: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """Our Llama with a saved adapter, wrapped as training wraps it (trainer.build.apply_lora). The adapter
+    says task_type CAUSAL_LM for transformers' models, whose peft wrapper our Llama does not fit (it has no
+    generate()), so the task is dropped here."""
+    from peft import PeftConfig, PeftModel
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    config.task_type = None
+    return PeftModel.from_pretrained(llama, adapter_dir, config=config)
 
 
 def write_complete_marker(directory: Path) -> None:

@@ -1,11 +1,14 @@
-"""What the terminal shows: a startup summary, a progress bar on interactive terminals, and a log line every
-`log_every` steps (which also lands in Hydra's <run dir>/train.log)."""
+"""What the terminal shows: a startup summary, a progress bar on interactive terminals, a log line every
+`log_every` steps (which also lands in Hydra's <run dir>/train.log), and a summary at the end."""
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
+
+from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +59,30 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def end_summary(run_dir: Path, first_step: int, max_steps: int, checkpoint: Path | None) -> None:
+    """One summary when a run ends, finished or stopped by a signal: the steps of this start, the final loss
+    and accuracy, tokens/s over this start, where the checkpoints are, and the commands to plot and export."""
+    metrics = run_dir / METRICS_FILE
+    steps = [r for r in read_records(metrics) if r["step"] > first_step] if metrics.is_file() else []
+    last_step = steps[-1]["step"] if steps else first_step
+    text = (f"{'finished' if last_step >= max_steps else 'stopped'} at step {last_step}/{max_steps} "
+            f"({len(steps)} step{'' if len(steps) == 1 else 's'} in this start)")
+    if steps:
+        text += f": {final_values(steps)}"
+    text += f"; checkpoints in {checkpoint.parent} (newest {checkpoint.name})" if checkpoint else "; no checkpoint"
+    text += f"\n  plot:    python scripts/report.py {run_dir}"
+    if checkpoint:
+        text += f"\n  export:  python scripts/export.py {checkpoint} <out dir>"
+    log.info(text)
+
+
+def final_values(steps: list[dict]) -> str:
+    """Loss and accuracy of the last step (accuracy when measured), and tokens/s over all of `steps`."""
+    last = steps[-1]
+    loss = "n/a (skipped step)" if last.get("loss") is None else f"{last['loss']:.4f}"
+    accuracy = "" if last.get("accuracy") is None else f", accuracy {last['accuracy']:.3f}"
+    seconds = sum(r["step_time_s"] for r in steps)
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steps)
+    return f"loss {loss}{accuracy}, {tokens / seconds:,.0f} tokens/s"

@@ -35,8 +35,9 @@ def checkpoint_size(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return tensor_bytes({id(p): p for p in saved}.values()) + tensor_bytes(optimizer_tensors) + DISK_MARGIN_BYTES
 
 
-def save_hf_model_if_room(weights: dict[str, torch.Tensor], config: dict, directory: Path) -> Path:
+def save_hf_model_if_room(weights: dict[str, torch.Tensor], config: dict, directory: Path,
+                          companions: list[Path] = ()) -> Path:
     """model.hf_checkpoint.save_hf_model, after checking that the disk has room (CheckpointError if not)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     check_free_disk(directory.parent, tensor_bytes(weights.values()) + DISK_MARGIN_BYTES)
-    return save_hf_model(weights, config, directory)
+    return save_hf_model(weights, config, directory, companions)

@@ -27,7 +27,7 @@ from offload.units import GIB
 from trainer.build import Built, build_model, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import ProgressBar, startup_summary, step_line
+from trainer.console import ProgressBar, end_summary, startup_summary, step_line
 from trainer.disk_space import save_hf_model_if_room
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
@@ -126,7 +126,8 @@ def train(cfg) -> dict:
     checkpoints.restart_interval(progress.step)
     last_checkpoint = loaded.path if loaded else None
     del loaded      # applied: free its copy of the weights and optimizer state before training
-    bar = ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar)
+    first_step = progress.step
+    bar = ProgressBar(first_step, cfg.max_steps, cfg.logger.progress_bar)
     record, exit_code = {"step": progress.step}, 1
     try:
         with StopSignals() as stop:
@@ -167,4 +168,5 @@ def train(cfg) -> dict:
         bar.close()
         if wandb_run:
             wandb_run.finish(exit_code)
+    end_summary(run_dir, first_step, cfg.max_steps, last_checkpoint)
     return record

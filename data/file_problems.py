@@ -1,0 +1,73 @@
+"""Why `datasets` could not read a set of json or parquet files, in words that name the file: the first
+malformed JSON line (1-based), or the files whose records have different fields.
+
+Only called after datasets' reader has failed (its errors name neither the file nor the line), so reading
+the files again here costs nothing on the normal path.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Files named per group of fields in a message, before "and N more".
+SHOWN_FILES = 3
+
+
+class MalformedJson(ValueError):
+    def __init__(self, line: int, reason: str):
+        super().__init__(f"line {line}: not valid JSON ({reason})")
+
+
+def is_json_array(file: Path) -> bool:
+    with file.open(encoding="utf-8") as text:
+        return text.read(4096).lstrip().startswith("[")
+
+
+def json_records(file: Path) -> list:
+    """The records of a JSON array file or a JSON-lines file (datasets' json builder reads both)."""
+    if is_json_array(file):
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise MalformedJson(error.lineno, error.msg) from error
+    records = []
+    with file.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise MalformedJson(number, error.msg) from error
+    return records
+
+
+def file_fields(file: Path, builder: str) -> tuple[str, ...]:
+    if builder == "parquet":
+        import pyarrow.parquet
+        return tuple(sorted(pyarrow.parquet.read_schema(file).names))
+    return tuple(sorted({name for record in json_records(file) if isinstance(record, dict) for name in record}))
+
+
+def files_problem(files: list[Path], builder: str) -> str | None:
+    """A malformed JSON line, an unreadable file, or files whose fields differ; None when none of these
+    explains the failure."""
+    if builder not in ("json", "parquet"):
+        return None
+    by_fields: dict[tuple[str, ...], list[Path]] = {}
+    for file in files:
+        try:
+            by_fields.setdefault(file_fields(file, builder), []).append(file)
+        except MalformedJson as error:
+            return f"{file} {error}: fix or remove that line"
+        except (ValueError, OSError) as error:
+            return f"{file} cannot be read: {type(error).__name__}: {error}"
+    if len(by_fields) < 2:
+        return None
+    groups = "; ".join(f"{shown(group)}: {list(fields)}" for fields, group in by_fields.items())
+    return (f"the files have records with different fields: {groups}. Every file of one data.path needs the "
+            f"same fields (text and chat records cannot be mixed): point data.path at files of one kind")
+
+
+def shown(files: list[Path]) -> str:
+    more = f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
+    return ", ".join(map(str, files[:SHOWN_FILES])) + more

@@ -1,0 +1,54 @@
+"""The end of a run: one summary with the commands to plot and export, and scripts/report.py's figures
+(accuracy when logged, the run directory in every title, no series that is zero throughout)."""
+from __future__ import annotations
+
+import logging
+
+import matplotlib.pyplot as plt
+import pytest
+
+from scripts.report import figures
+from tests.jobs_support import job_config, single_torch_thread  # noqa: F401
+from trainer.loop import train
+
+
+def test_a_finished_run_prints_one_summary_with_the_plot_and_export_commands(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainer.console")
+    final = train(job_config(tmp_path, "max_steps=3"))
+    [summary] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished")]
+    assert summary.startswith("finished at step 3/3 (3 steps in this start): ")
+    assert f"loss {final['loss']:.4f}, accuracy {final['accuracy']:.3f}, " in summary
+    assert "tokens/s" in summary and f"checkpoints in {tmp_path / 'checkpoints'} (newest step-3)" in summary
+    assert f"\n  plot:    python scripts/report.py {tmp_path}\n" in summary
+    assert summary.endswith(f"\n  export:  python scripts/export.py {tmp_path / 'checkpoints' / 'step-3'} <out dir>")
+
+
+def test_a_resumed_run_counts_only_its_own_steps(tmp_path, caplog):
+    train(job_config(tmp_path, "max_steps=2"))
+    caplog.set_level(logging.INFO, logger="trainer.console")
+    train(job_config(tmp_path, "max_steps=3"))
+    [summary] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished")]
+    assert summary.startswith("finished at step 3/3 (1 step in this start): ")
+
+
+def record(step: int, **values) -> dict:
+    return {"step": step, "loss": 3.0 / step, "tokens_per_s": 100.0 * step, "host_rss_gib": 1.5,
+            "offload/pinned_gib": 0.0, "offload/hidden_gib": None, **values}
+
+
+@pytest.mark.parametrize("accuracy", [[0.0, 0.5, 1.0], [0.0, 0.0, 0.0], None])
+def test_report_draws_accuracy_when_logged_titles_the_run_and_leaves_out_zero_series(tmp_path, accuracy):
+    records = [record(step, **({"accuracy": accuracy[step - 1]} if accuracy else {})) for step in (1, 2, 3)]
+    drawn = figures(records, tmp_path)
+    plt.close("all")
+    assert list(drawn) == ["report_loss.png", *(["report_accuracy.png"] if accuracy else []),
+                           "report_throughput.png", "report_memory.png"]
+    series = {}
+    for name, figure in drawn.items():
+        [axes] = figure.axes
+        assert str(tmp_path) in axes.get_title(), name
+        series[name] = {line.get_label(): list(line.get_ydata()) for line in axes.lines}
+    assert series["report_loss.png"] == {"loss": [3.0, 1.5, 1.0]}
+    assert series["report_memory.png"] == {"host_rss_gib": [1.5, 1.5, 1.5]}     # pinned 0 throughout: left out
+    if accuracy:                                                              # zero is a result here
+        assert series["report_accuracy.png"] == {"accuracy": accuracy}
