@@ -17,6 +17,12 @@ Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key
 the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
 per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
 past the end of the sequence.
+
+Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
+rewrite-tensor-descriptor-to-pointer pass turns each descriptor load/store into masked pointer loads/stores,
+and the products use mma.sync instead of wgmma. tests/test_sm80_compile.py compiles every kernel for sm_80;
+TRITON_OVERRIDE_ARCH=sm80 makes Triton compile that A100 code on a Hopper GPU, to test and time it there.
+Autotuning choices persist on disk (kernels/tuning_cache.py).
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from kernels import attention_tape
+from kernels import attention_tape, tuning_cache
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
@@ -357,10 +363,11 @@ _DKDV_CONFIGS = [_config(64, 128, 8, 3), _config(32, 128, 8, 3), _config(64, 64,
                  _config(32, 64, 4, 4), _config(128, 128, 8, 2)]
 _TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
 
+# Choices persist on disk (kernels/tuning_cache.py), so only a job's first run on a GPU pays for tuning.
 _TUNED = {
-    "fwd": triton.autotune(_FWD_CONFIGS, _TUNE_KEY)(_attn_fwd_kernel),
-    "dq": triton.autotune(_DQ_CONFIGS, _TUNE_KEY)(_attn_bwd_dq_kernel),
-    "dkdv": triton.autotune(_DKDV_CONFIGS, _TUNE_KEY)(_attn_bwd_dkdv_kernel),
+    "fwd": tuning_cache.autotune(_FWD_CONFIGS, _TUNE_KEY)(_attn_fwd_kernel),
+    "dq": tuning_cache.autotune(_DQ_CONFIGS, _TUNE_KEY)(_attn_bwd_dq_kernel),
+    "dkdv": tuning_cache.autotune(_DKDV_CONFIGS, _TUNE_KEY)(_attn_bwd_dkdv_kernel),
 }
 _PLAIN = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
 

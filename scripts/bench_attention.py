@@ -6,12 +6,17 @@ torch.compile(flex_attention) with a causal block mask. TFLOP/s count causal FLO
 head, backward 2.5x that. Then the packed case: a pack of 16 documents of 4k tokens against 16 separate
 4k calls and against FlexAttention with a document-causal block mask.
 
-    python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072]
+    python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072] [--peers cudnn]
+
+Each length first times our first forward+backward call: autotuning and compiling, unless the tuning cache
+(kernels/tuning_cache.py, $LONGCTX_TUNING_CACHE) and Triton's compile cache already hold them.
+TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -83,15 +88,27 @@ def measure(name, fn, inputs, doc_lengths, results):
     print(f"  {name:<28}" + " | ".join(cells), flush=True)
 
 
-def bench_causal(seqlen: int, results):
+def first_call_seconds(q, k, v) -> float:
+    """Wall time of our first forward+backward at this shape: tuning and compiling included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.autograd.grad(fa.flash_attention(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_causal(seqlen: int, peers: list[str], results):
     print(f"S={seqlen}", flush=True)
     inputs = make_inputs(seqlen)
-    block_mask = create_block_mask(causal_mask, None, None, seqlen, seqlen, _compile=True)  # no dense S x S mask
-    for name, fn in (("flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True)),
-                     ("sdpa FLASH_ATTENTION", sdpa(SDPBackend.FLASH_ATTENTION)),
-                     ("sdpa CUDNN_ATTENTION", sdpa(SDPBackend.CUDNN_ATTENTION)),
-                     ("flex_attention compiled", flex(block_mask))):
-        measure(f"S={seqlen} {name}", fn, inputs, [seqlen], results)
+    print(f"  first fwd+bwd call (tuning + compiling unless cached): {first_call_seconds(*inputs):.1f} s", flush=True)
+    runs = {"flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
+            # the block mask is built without a dense S x S mask
+            "flex": lambda: flex(create_block_mask(causal_mask, None, None, seqlen, seqlen, _compile=True))}
+    names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
+    measure(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True), inputs,
+            [seqlen], results)
+    for peer in peers:
+        measure(f"S={seqlen} {names[peer]}", runs[peer](), inputs, [seqlen], results)
     print("  tuned:", fa.tuned_configs(), flush=True)
 
 
@@ -120,13 +137,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--packed", type=int, nargs=2, default=[16, 4096], metavar=("DOCS", "LEN"))
+    parser.add_argument("--peers", nargs="*", choices=["flash", "cudnn", "flex"], default=["flash", "cudnn", "flex"])
+    parser.add_argument("--no-packed", action="store_true", help="skip the packed-documents case")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
     for seqlen in args.seqlens:
-        bench_causal(seqlen, results)
+        bench_causal(seqlen, args.peers, results)
         torch.cuda.empty_cache()
-    bench_packed(*args.packed, results)
+    if not args.no_packed:
+        bench_packed(*args.packed, results)
     print("\n| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
     for name, row in results:
         cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f}" if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]

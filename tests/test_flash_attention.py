@@ -320,6 +320,38 @@ def test_gpu_deterministic():
         assert torch.equal(first, second)
 
 
+@gpu
+def test_gpu_compiled_code_is_the_architectures():
+    """Hopper: TMA tile moves and wgmma products. Under TRITON_OVERRIDE_ARCH=sm80 (the process runs the code
+    an A100 compiles): neither, the descriptors rewritten into pointer loads and mma.sync products."""
+    import kernels.flash_attention as flash
+    q, k, v = _inputs(1, 1024, 8, 2, 128, torch.bfloat16, "cuda")
+    torch.autograd.grad(flash_attention(q, k, v), (q, k, v), torch.randn_like(q))
+    device = torch.cuda.current_device()
+    ptx = [compiled.asm["ptx"] for tuned in flash._TUNED.values()
+           for compiled in tuned.fn.device_caches[device][0].values()]
+    assert len(ptx) >= 3
+    a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
+    if torch.cuda.get_device_capability()[0] == 9 or a100:
+        for code in ptx:
+            assert ("mma.sync" in code) == a100 and ("wgmma" in code) != a100
+            assert ("cp.async.bulk.tensor" in code) != a100
+
+
+@gpu
+@pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability()[0] < 9, reason="the default path is the A100's")
+def test_gpu_a100_code_path_on_this_gpu():
+    """The GPU tests again in a process whose kernels Triton compiles as for an A100 (TRITON_OVERRIDE_ARCH
+    applies per process: compiled kernels are cached in memory without it in their key)."""
+    env = {**os.environ, "TRITON_OVERRIDE_ARCH": "sm80"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "gpu_bf16 or gpu_packed or gpu_compiled"], capture_output=True, text=True, env=env,
+                            timeout=900)
+    print(result.stdout[-3000:])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
 @interpreted
 def test_a_second_order_gradient_is_an_error_not_silently_zero():
     """The kernels' backward is not itself differentiable: differentiating through its result must raise."""

@@ -1,0 +1,133 @@
+"""Compile every Triton kernel of kernels/ for the A100 (sm_80), on any machine: no GPU, no CUDA driver.
+
+Triton's wheel carries everything its NVIDIA backend needs (libtriton's MLIR/LLVM passes, libdevice, ptxas),
+so `triton.compile` with an explicit GPUTarget("cuda", 80, 32) runs down to a cubin on a CPU-only host. It
+must run in a process without TRITON_INTERPRET=1, under which `triton.jit` makes interpreter objects that
+cannot be compiled; tests/test_sm80_compile.py starts this file so. Prints one JSON line per compile.
+
+    python tests/sm80_compile.py                # each kernel once (attention: first candidate, no documents)
+    python tests/sm80_compile.py --all-configs  # every attention candidate, with and without documents
+                                                # (42 compiles, 3-6 minutes on 2 cores)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import kernels  # noqa: E402
+
+# By module path: kernels/__init__.py binds some of these names to the ops (functions) instead.
+_row_norm, adamw_update, fa, layer_norm, linear_cross_entropy, rms_norm = (
+    importlib.import_module(f"kernels.{name}") for name in
+    ("_row_norm", "adamw_update", "flash_attention", "layer_norm", "linear_cross_entropy", "rms_norm"))
+
+A100 = GPUTarget("cuda", 80, 32)
+# The attention kernels' tensors: bf16 except the fp32 row statistics and the int32 document bounds.
+ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32"}
+ATTENTION_SCALARS = {"qk_scale_log2": "fp32", "sm_scale": "fp32"}
+ATTENTION_SHAPE = {"GROUP": 4, "HEAD_DIM": 128, "CAUSAL": True}   # Llama-3 8B
+NORM_BLOCK, NORM_WARPS = _row_norm.row_config(4096, None)
+
+
+def _attention(fn, configs, all_configs: bool):
+    """Each candidate config (or the first) without documents; with --all-configs also with documents."""
+    return [(fn, {**ATTENTION_SHAPE, "HAS_DOCS": has_docs, **config.kwargs},
+             dict(num_warps=config.num_warps, num_stages=config.num_stages), ATTENTION_POINTERS, ATTENTION_SCALARS)
+            for config in (configs if all_configs else configs[:1])
+            for has_docs in ((False, True) if all_configs else (False,))]
+
+
+def compile_jobs(all_configs: bool) -> list[tuple]:
+    """(kernel, constexprs, options, pointer dtypes, scalar dtypes) per compile; a pointer not named takes
+    bf16 (attention kernels: upper-case names; the others: names ending in _ptr), a scalar not named i32."""
+    norm_backward = dict(BLOCK_H=NORM_BLOCK, CENTERED=True, COMPUTE_DX=True, COMPUTE_DW=True, COMPUTE_DB=True)
+    stats = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "db_partial_ptr": "*fp32"}
+    return [
+        *_attention(fa._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
+        *_attention(fa._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
+        *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
+        (fa._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
+        (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
+         {"eps": "fp32"}),
+        (layer_norm._layer_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK, "HAS_BIAS": True},
+         {"num_warps": NORM_WARPS}, stats, {"eps": "fp32"}),
+        (_row_norm._backward_kernel, norm_backward, {"num_warps": NORM_WARPS}, stats, {}),
+        (linear_cross_entropy._cross_entropy_rows_kernel,
+         {"BLOCK_V": linear_cross_entropy.BLOCK_V, "WRITE_GRAD": True}, {"num_warps": linear_cross_entropy.NUM_WARPS},
+         {"targets_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32"}, {}),
+        (adamw_update._adamw_kernel, {"BLOCK": adamw_update.BLOCK}, {}, {},
+         dict.fromkeys(["grad_scale", "beta1", "beta2", "eps", "decay_factor", "step_size",
+                        "bias_correction2_sqrt"], "fp32")),
+    ]
+
+
+def project_kernels() -> set[str]:
+    """Every launched @triton.jit function (named *_kernel) defined in a module of kernels/."""
+    found = set()
+    for module_info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{module_info.name}")
+        for value in vars(module).values():
+            if (isinstance(value, JITFunction) and value.__name__.endswith("_kernel")
+                    and value.fn.__module__ == module.__name__):
+                found.add(f"{module.__name__}.{value.__name__}")
+    return found
+
+
+def _is_pointer(fn, name: str) -> bool:
+    return name.endswith("_ptr") or (name.isupper() and fn.__module__ == fa.__name__)
+
+
+def compile_for_a100(all_configs: bool, index: int) -> dict:
+    """The index-th job (jobs hold kernels, which do not pickle: a worker rebuilds the list)."""
+    fn, constexprs, options, pointers, scalars = compile_jobs(all_configs)[index]
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif _is_pointer(fn, name):
+            signature[name] = pointers.get(name, "*bf16")
+            attrs[(index,)] = [["tt.divisibility", 16]]   # as Triton specializes torch's aligned tensors
+        else:
+            signature[name] = scalars.get(name, "i32")
+    result = {"kernel": f"{fn.__module__}.{fn.__name__}",
+              "variant": {k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HAS_DOCS"))} | options}
+    start = time.time()
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=A100, options=options)
+    except Exception as error:   # reported per kernel: the test names the one that fails
+        return result | {"error": f"{type(error).__name__}: {error}"[-3000:]}
+    ptx = compiled.asm["ptx"]
+    return result | {"seconds": round(time.time() - start, 1), "shared_bytes": compiled.metadata.shared,
+                     "cubin_bytes": len(compiled.asm["cubin"]), "target_sm80": ".target sm_80" in ptx,
+                     "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx,
+                     "tma": "cp.async.bulk.tensor" in ptx or "tensormap" in ptx}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all-configs", action="store_true")
+    args = parser.parse_args()
+    jobs = compile_jobs(args.all_configs)
+    covered = {f"{fn.__module__}.{fn.__name__}" for fn, *_ in jobs}
+    print(json.dumps({"uncovered_kernels": sorted(project_kernels() - covered)}), flush=True)
+    with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+        for result in pool.map(functools.partial(compile_for_a100, args.all_configs), range(len(jobs))):
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
