@@ -65,7 +65,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
          {"eps": "fp32"}),
         (layer_norm._layer_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK, "HAS_BIAS": True},
          {"num_warps": NORM_WARPS}, stats, {"eps": "fp32"}),
-        (_row_norm._backward_kernel, norm_backward, {"num_warps": NORM_WARPS}, stats, {}),
+        (_row_norm._row_norm_backward_kernel, norm_backward, {"num_warps": NORM_WARPS}, stats, {}),
         (linear_cross_entropy._cross_entropy_rows_kernel,
          {"BLOCK_V": linear_cross_entropy.BLOCK_V, "WRITE_GRAD": True}, {"num_warps": linear_cross_entropy.NUM_WARPS},
          {"targets_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32"}, {}),
