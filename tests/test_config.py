@@ -84,8 +84,8 @@ def test_train_py_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path):
     import sys
     repo = Path(CONF_DIR).parent
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "train.py", "max_steps=3", "optim.warmup_steps=30", f"output_dir={run_dir}",
-                             "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
+    result = subprocess.run([sys.executable, "train.py", "max_steps=3", "optim.warmup_steps=30",
+                             f"output_dir={run_dir}", "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 2
     assert "optim.warmup_steps=30 must be below max_steps=3" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr

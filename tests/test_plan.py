@@ -151,8 +151,10 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
     assert "host of 125 GiB" in result.stdout and "GPU peak" in result.stdout
 
 
-@pytest.mark.parametrize("overrides, usable", [(["memory.gpu=h200"], "of 125.2"),
-                                               (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "of 70.7")])
+@pytest.mark.parametrize("overrides, usable", [
+    (["memory.gpu=h200"], "GPU peak   93.80 GiB of 129.41 GiB usable"),
+    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
+])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):
     result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
     assert result.returncode == 0 and usable in result.stdout, result.stdout + result.stderr
@@ -161,7 +163,7 @@ def test_plan_script_plans_for_a_named_gpu(overrides, usable):
 @pytest.mark.parametrize("overrides, message", [
     (["memory.gpu=h100"], "memory.gpu='h100' is not one of"),
     (["memory.gpu=h200", "memory.gpu_memory_gib=100"], "memory.gpu=h200 and memory.gpu_memory_gib=100.0: give one"),
-    (["+memory.gpu_gib=80"], "unknown setting memory.gpu_gib: the nearest is memory.gpu_memory_gib"),
+    (["+memory.host_gib=80"], "unknown setting memory.host_gib: the nearest is memory.host_memory_gib"),
 ])
 def test_plan_script_names_a_bad_setting(overrides, message):
     result = run_plan_script("model=llama3_8b", *overrides)
