@@ -91,9 +91,9 @@ def train(cfg) -> dict:
     kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
+    create_run_dir(run_dir)
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = checkpoint_to_resume(cfg, checkpoints)
-    create_run_dir(run_dir)
     config_yaml = write_resolved_config(cfg, run_dir)
 
     built = build_model(cfg, device)
