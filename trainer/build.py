@@ -13,6 +13,7 @@ from conf.schema.memory import GPU_PRESETS, PLANNING_GPU
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from offload.plan import MemoryPlan, plan_memory
+from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
 from offload.state_layouts import weights_dtype
 
@@ -72,8 +73,13 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings = [f"model={cfg.model.name}", f"train={cfg.train.mode}", f"seq_len={cfg.seq_len}"]
     settings += [f"batch_size={cfg.batch_size}"] * (cfg.batch_size != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
+    if plan.gpu["weights"] > plan.capacity.gpu_limit:     # no memory.* setting can help
+        failure = (f"the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
+                   f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
+    else:
+        failure = plan.failure()
     return (f"{why}, so this job would train on the CPU with the host's memory as the device's, and "
-            + plan.failure() + f"\nto plan it for a GPU: python scripts/plan.py {' '.join(settings)} "
+            + failure + f"\nto plan it for a GPU: python scripts/plan.py {' '.join(settings)} "
             f"memory.gpu={PLANNING_GPU} (or {' | '.join(p for p in GPU_PRESETS if p != PLANNING_GPU)})")
 
 
