@@ -191,7 +191,7 @@ def test_without_a_gpu_the_trainer_says_so_once_and_suggests_only_what_helps(cap
     message = str(error.value)
     assert message.startswith("no CUDA GPU is visible")
     assert "python scripts/plan.py model=llama3_8b train=lora seq_len=65536 memory.gpu=h100_80gb" in message
-    assert "the weights alone (29.92 GiB) exceed what this host can give" in message
+    assert "it does not fit: the weights alone (29.92 GiB) exceed what this host can give" in message
     assert "memory.check=false" not in message and "settings that would help" not in message
     assert (message + caplog.text).count("memory plan:") == 1
 

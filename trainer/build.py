@@ -73,8 +73,8 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings = [f"model={cfg.model.name}", f"train={cfg.train.mode}", f"seq_len={cfg.seq_len}"]
     settings += [f"batch_size={cfg.batch_size}"] * (cfg.batch_size != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
-    if plan.gpu["weights"] > plan.capacity.gpu_limit:     # no memory.* setting can help
-        failure = (f"the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
+    if plan.gpu["weights"] > max(0, plan.capacity.gpu_limit):     # no memory.* setting can help
+        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
                    f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
     else:
         failure = plan.failure()
