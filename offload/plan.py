@@ -152,7 +152,7 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     if fitting:
         tips.append(f"seq_len={fitting} (the longest that fits with these settings)" if batch_size == 1 else
                     f"batch_size * seq_len <= {fitting * batch_size} tokens")
-    if plan.gpu_peak > plan.capacity.gpu_limit:
+    if plan.gpu_peak > plan.capacity.gpu_limit and plan.capacity.device_type == "cuda":
         tips.append(f"a GPU with at least {(plan.gpu_peak + GPU_RESERVE) / GPU_FILL / GIB:.0f} GiB")
     if plan.host_peak > plan.capacity.host or plan.pinned > plan.capacity.pinnable:
         tips.append(f"a host with at least {max(plan.host_peak, plan.pinned / memory_cfg.pinnable_fraction) / GIB:.0f}"

@@ -1,8 +1,9 @@
 """Print the memory plan of a config: `python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
 
-Plans for the GPU and host of this machine; elsewhere give the target's capacities, e.g.
-`memory.gpu_memory_gib=79.2 memory.host_memory_gib=125`. Exits 1 when the plan does not fit, 2 when it
-cannot be made (the message names the setting to give).
+Plans for the GPU and host of this machine. Elsewhere name the target GPU, `memory.gpu=a100_80gb|h100_80gb|
+h200`, or give its size, `memory.gpu_memory_gib=79.2`, and the host's, `memory.host_memory_gib=125`; on a
+machine without a GPU the plan is for an H100 80GB on a 125 GiB host unless told otherwise (it says so).
+Exits 1 when the plan does not fit, 2 when it cannot be made (the message names the setting to give).
 """
 import sys
 from pathlib import Path
@@ -13,19 +14,38 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
-from conf.schema.memory import check_memory  # noqa: E402
+from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
+from conf.validate import check_known_keys  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
+
+
+def plan_without_a_gpu(memory_cfg) -> str:
+    """No CUDA GPU is visible: plan for the named GPU, else PLANNING_GPU, and a host of the given size, else
+    PLANNING_HOST_GIB (this machine's is no guide to the target's). Returns the line saying so."""
+    if memory_cfg.gpu is None and memory_cfg.gpu_memory_gib is None:
+        memory_cfg.gpu = PLANNING_GPU
+    if memory_cfg.host_memory_gib is None:
+        memory_cfg.host_memory_gib = PLANNING_HOST_GIB
+    resolve_gpu_preset(memory_cfg)
+    gpu = f"memory.gpu={memory_cfg.gpu} " if memory_cfg.gpu else ""
+    return (f"no CUDA GPU is visible: planning for {gpu}({memory_cfg.gpu_memory_gib:g} GiB) on a host of "
+            f"{memory_cfg.host_memory_gib:g} GiB (memory.gpu=, memory.gpu_memory_gib=, memory.host_memory_gib= "
+            f"to change)")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg) -> None:
     device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
     try:
+        check_known_keys(cfg)
         check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print(plan_without_a_gpu(cfg.memory))
+        resolve_gpu_preset(cfg.memory)
         plan = plan_for(cfg, device)
-    except ValueError as error:   # bad settings, or no GPU to read capacities from
+    except ValueError as error:   # bad settings (ConfigError), or a checkpoint's config.json that cannot be read
         print(f"cannot plan: {error}", file=sys.stderr)
         sys.exit(2)
     print(plan.describe() if plan.fits else plan.failure())

@@ -84,8 +84,8 @@ def test_train_py_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path):
     import sys
     repo = Path(CONF_DIR).parent
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "train.py", "max_steps=3", f"output_dir={run_dir}",
-                             "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
+    result = subprocess.run([sys.executable, "train.py", "max_steps=3", "optim.warmup_steps=30",
+                             f"output_dir={run_dir}", "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 2
     assert "optim.warmup_steps=30 must be below max_steps=3" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
@@ -111,3 +111,105 @@ def test_kernels_backend_check(monkeypatch):
         check_kernels_backend("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_kernels_backend("triton")
+
+
+# --- issue 15: keys outside the schema, warmup defaults, where mode and rate come from, output_dir ---
+
+@pytest.mark.parametrize("override,message", [
+    ("+foo=1", "unknown setting foo: the nearest is "),
+    ("+optim.learning_rate=5e-5", "unknown setting optim.learning_rate: the nearest is optim.min_lr_ratio "
+                                  "\\(optim has: name, lr, "),
+    ("+warmup_steps=5", "unknown setting warmup_steps: the nearest is optim.warmup_steps"),
+    ("+logger.wandb.projct=x", "unknown setting logger.wandb.projct: the nearest is logger.wandb.project"),
+])
+def test_keys_outside_the_schema_are_errors_naming_the_nearest(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(override))
+
+
+def test_free_form_dict_settings_take_any_key():
+    validate(make_config("model=llama3_1_8b", "+model.rope_scaling.new_knob=1", "train=lora"))
+
+
+def test_negative_warmup_is_rejected():
+    with pytest.raises(ConfigError, match="optim.warmup_steps=-1 must be >= 0"):
+        validate(make_config("optim.warmup_steps=-1"))
+
+
+@pytest.mark.parametrize("model,max_steps,warmup", [("tiny", 1, 0), ("tiny", 25, 2), ("tiny", 600, 30),
+                                                    ("llama3_8b", 15, 1), ("llama3_8b", 100, 20)])
+def test_default_warmup_is_capped_below_a_short_run(model, max_steps, warmup, caplog):
+    cfg = make_config(f"model={model}", f"max_steps={max_steps}")
+    with caplog.at_level("INFO"):
+        validate(cfg)
+    assert cfg.optim.warmup_steps == warmup
+    assert ("optim.warmup_steps" in caplog.text) == (warmup < 20)
+
+
+def test_explicit_warmup_conflicting_with_max_steps_stays_an_error():
+    with pytest.raises(ConfigError, match="optim.warmup_steps=5 must be below max_steps=3"):
+        validate(make_config("max_steps=3", "optim.warmup_steps=5"))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], ["train.mode=full (model=tiny's default: it trains from random init; train=lora for adapters)",
+          "optim.lr=0.001 (model=tiny's from-scratch rate)"]),
+    (["train=lora"], ["train.mode=lora (chosen over model=tiny's default train=full)",
+                      "optim.lr=0.0002 (the LoRA rate)"]),
+    (["model=llama3_8b"], ["train.mode=lora (the default; train=full for every parameter)",
+                           "optim.lr=0.0002 (the LoRA rate)", "optim.warmup_steps=20 (the default)"]),
+    (["model=llama3_8b", "train=full"], ["train.mode=full (train=full; the default is train=lora)",
+                                         "optim.lr=1e-05 (the full fine-tuning rate)"]),
+    (["optim.lr=3e-3", "optim.warmup_steps=7"], ["optim.lr=0.003 (set)", "optim.warmup_steps=7 (set)"]),
+])
+def test_the_training_line_says_which_mode_and_rate_were_taken_and_why(overrides, expected):
+    training = validate(make_config(*overrides))
+    for text in expected:
+        assert text in training
+
+
+def test_a_checkpoint_with_the_tiny_model_is_told_it_gets_the_from_scratch_rate(tmp_path):
+    training = validate(make_config(f"model.path={tmp_path}"))
+    assert "optim.lr=0.001 (model=tiny's from-scratch rate; set optim.lr to fine-tune model.path)" in training
+
+
+def test_a_short_run_trains_with_the_capped_warmup_and_saves_it(tmp_path, caplog):
+    from tests.jobs_support import job_config, records
+    from trainer.loop import train
+    run_dir = tmp_path / "run"
+    with caplog.at_level("INFO"):
+        train(job_config(run_dir, "max_steps=1", "optim.warmup_steps=null"))
+    assert "warmup_steps: 0" in (run_dir / "config.yaml").read_text()
+    assert records(run_dir)[0]["lr"] == pytest.approx(1e-3)     # the full rate at once: no warmup
+    assert "optim.lr=0.001" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("output_dir,message", [("{file}/run", "output_dir='{file}/run' is under the file"),
+                                                ("{file}", "output_dir='{file}' is a file")])
+def test_an_output_dir_that_cannot_be_a_directory_is_named(tmp_path, output_dir, message):
+    (tmp_path / "file").write_text("")
+    path, expected = (text.format(file=tmp_path / "file") for text in (output_dir, message))
+    with pytest.raises(ConfigError, match=expected):
+        validate(make_config(f"output_dir={path}"))
+
+
+def run_train_py(*overrides: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "train.py", "logger.wandb.mode=disabled", *overrides],
+                          capture_output=True, text=True, cwd=Path(CONF_DIR).parent, timeout=120)
+
+
+@pytest.mark.parametrize("output_dir,bad,message", [
+    ("{tmp}/run", "+foo=1", "unknown setting foo"),
+    ("/proc/x", "optim.warmup_steps=1", "output_dir='/proc/x' cannot be created"),
+])
+def test_a_rejected_run_leaves_no_directory_behind(tmp_path, output_dir, bad, message):
+    """Validation, the output_dir check included, runs before anything is written: no run directory, no
+    .hydra/ or train.log anywhere; the error is one line, the last."""
+    run_dir = Path(output_dir.format(tmp=tmp_path))
+    result = run_train_py(f"output_dir={run_dir}", bad)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output
+    assert message in output.strip().splitlines()[-1] and output.count("[ERROR]") == 1, output
+    assert not run_dir.exists() and not (Path(CONF_DIR).parent / ".hydra").exists()

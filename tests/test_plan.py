@@ -137,14 +137,63 @@ def test_plan_script_exits_nonzero_before_building_anything():
     assert "does not fit" in result.stdout and "memory.offload=true" in result.stdout
 
 
-def test_plan_script_without_capacities_or_gpu_says_what_to_give():
+def run_plan_script(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts/plan.py"), *overrides], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+
+
+def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: its capacity is read")
-    command = [sys.executable, str(ROOT / "scripts/plan.py"), "model=llama3_8b", "seq_len=65536",
-               "hydra.run.dir=/tmp/plan-test", "hydra.output_subdir=null"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "give memory.gpu_memory_gib" in result.stderr
+    result = run_plan_script("model=llama3_8b", "seq_len=524288")
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA GPU is visible: planning for memory.gpu=h100_80gb (79.2 GiB)" in result.stdout
+    assert "host of 125 GiB" in result.stdout and "GPU peak" in result.stdout
+
+
+@pytest.mark.parametrize("overrides, usable", [
+    (["memory.gpu=h200"], "GPU peak   93.80 GiB of 129.41 GiB usable"),
+    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
+])
+def test_plan_script_plans_for_a_named_gpu(overrides, usable):
+    result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
+    assert result.returncode == 0 and usable in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["memory.gpu=h100"], "memory.gpu='h100' is not one of"),
+    (["memory.gpu=h200", "memory.gpu_memory_gib=100"], "memory.gpu=h200 and memory.gpu_memory_gib=100.0: give one"),
+    (["+memory.host_gib=80"], "unknown setting memory.host_gib: the nearest is memory.host_memory_gib"),
+])
+def test_plan_script_names_a_bad_setting(overrides, message):
+    result = run_plan_script("model=llama3_8b", *overrides)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_without_a_gpu_the_trainer_says_so_once_and_suggests_only_what_helps(caplog):
+    """On a CPU-only machine the 8B plan is for the host acting as the device: say that no GPU is visible,
+    print the plan once (in the error, not also in the log), point to scripts/plan.py with a GPU preset,
+    and do not suggest memory.check=false, which would only run out of memory."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from hydra import compose, initialize_config_dir
+
+    from conf.schema import register_configs
+    from conf.validate import ConfigError, validate
+    from trainer.build import build_model
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["model=llama3_8b", "seq_len=65536", "memory.host_memory_gib=16"])
+    validate(cfg)
+    with caplog.at_level("INFO"), pytest.raises(ConfigError) as error:
+        build_model(cfg, torch.device("cpu"))
+    message = str(error.value)
+    assert message.startswith("no CUDA GPU is visible")
+    assert "python scripts/plan.py model=llama3_8b train=lora seq_len=65536 memory.gpu=h100_80gb" in message
+    assert "it does not fit: the weights alone (29.92 GiB) exceed what this host can give" in message
+    assert "memory.check=false" not in message and "settings that would help" not in message
+    assert (message + caplog.text).count("memory plan:") == 1
 
 
 def test_trainer_fails_before_building_the_model(monkeypatch):

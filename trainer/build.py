@@ -9,10 +9,12 @@ import torch
 from omegaconf import OmegaConf
 
 import kernels
+from conf.schema.memory import GPU_PRESETS, PLANNING_GPU
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from model.lora import fuse_adapter_products
 from offload.plan import MemoryPlan, plan_memory
+from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
 from offload.state_layouts import weights_dtype
 from trainer.checkpoint_format import BASE_MODEL_DIR
@@ -63,6 +65,26 @@ def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
     return OmegaConf.merge(cfg.memory, {"kept_attention_layers": 0})
 
 
+def plan_failure(cfg, plan: MemoryPlan) -> str:
+    """The failing plan, once, with only what helps: on a GPU also memory.check=false (should the plan be
+    wrong about it); on the CPU, where the host's memory stands for the GPU's and skipping the check could
+    only run out of memory, that no GPU is in use and how to plan for one."""
+    if plan.capacity.device_type == "cuda":
+        return plan.failure() + "\n(memory.check=false skips this check, should the plan be wrong about this GPU)"
+    why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"device={cfg.device}"
+    settings = [f"model={cfg.model.name}", f"train={cfg.train.mode}", f"seq_len={cfg.seq_len}"]
+    settings += [f"batch_size={cfg.batch_size}"] * (cfg.batch_size != 1)
+    settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
+    if plan.gpu["weights"] > max(0, plan.capacity.gpu_limit):     # no memory.* setting can help
+        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
+                   f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
+    else:
+        failure = plan.failure()
+    return (f"{why}, so this job would train on the CPU with the host's memory as the device's, and "
+            + failure + f"\nto plan it for a GPU: python scripts/plan.py {' '.join(settings)} "
+            f"memory.gpu={PLANNING_GPU} (or {' | '.join(p for p in GPU_PRESETS if p != PLANNING_GPU)})")
+
+
 @dataclass
 class Built:
     """What `build_model` makes: the model, the memory plan it was built for (with the optimizer-state
@@ -77,9 +99,9 @@ def build_model(cfg, device: torch.device) -> Built:
     """The model of a validated `cfg` with its memory policy installed. Raises ConfigError before allocating
     anything when the memory plan does not fit."""
     plan = plan_for(cfg, device)
-    log.info("%s", plan.describe())
     if cfg.memory.check and not plan.fits:
-        raise ConfigError(plan.failure() + "\n(memory.check=false skips this check)")
+        raise ConfigError(plan_failure(cfg, plan))
+    log.info("%s", plan.describe())
     dtype = weight_dtype(cfg.train.mode, device, plan)
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)

@@ -1,5 +1,5 @@
 """What the terminal shows: a startup summary, a progress bar on interactive terminals, a log line every
-`log_every` steps (which also lands in Hydra's <run dir>/train.log), and a summary at the end."""
+`log_every` steps (which also lands in <run dir>/train.log), and a summary at the end."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +11,23 @@ from tqdm import tqdm
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
+
+
+RUN_LOG = "train.log"
+
+
+def log_to_run_dir(run_dir: Path) -> None:
+    """From now on the log also goes to <run_dir>/train.log, formatted as on the terminal. Opened by the
+    trainer once the config is accepted (Hydra's own file log is off: conf/hydra/job_logging/console.yaml),
+    replacing the file of a previous run in the same process."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, "run_log", False)]:
+        root.removeHandler(handler)
+        handler.close()
+    handler = logging.FileHandler(run_dir / RUN_LOG)
+    handler.run_log = True
+    handler.setFormatter(next((h.formatter for h in root.handlers if h.formatter), None))
+    root.addHandler(handler)
 
 
 def startup_summary(lines: dict[str, str]) -> None:

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 import kernels
 from conf.schema.job import resolve_device
-from conf.validate import validate
+from conf.validate import ConfigError, validate
 from data import build_data, preflight_data
 from model.hf_checkpoint import full_weights, is_lora
 from offload.plan import MemoryPlan
@@ -27,7 +27,7 @@ from offload.units import GIB
 from trainer.build import Built, build_model, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import ProgressBar, end_summary, startup_summary, step_line
+from trainer.console import ProgressBar, end_summary, log_to_run_dir, startup_summary, step_line
 from trainer.disk_space import save_hf_model_if_room
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
@@ -47,8 +47,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def create_run_dir(run_dir: Path) -> None:
+    """The first write of a run, after validation: output_dir, with train.log in it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
+    log_to_run_dir(run_dir)
+
+
 def write_resolved_config(cfg, run_dir: Path) -> str:
-    run_dir.mkdir(parents=True, exist_ok=True)
     text = OmegaConf.to_yaml(cfg, resolve=True)
     (run_dir / "config.yaml").write_text(text)
     return text
@@ -77,12 +85,13 @@ def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: tor
 def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics."""
-    validate(cfg)
+    training = validate(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = resolve_device(cfg.device)
     kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
+    create_run_dir(run_dir)
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = checkpoint_to_resume(cfg, checkpoints)
     config_yaml = write_resolved_config(cfg, run_dir)
@@ -110,6 +119,7 @@ def train(cfg) -> dict:
     startup_summary({
         "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
                  f"device={device}, kernels={kernels.get_backend()}",
+        "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
         "run dir": str(run_dir),

@@ -6,6 +6,13 @@ from typing import Optional
 
 from conf.errors import ConfigError
 
+# memory.gpu: GPUs to plan for by name, with the total memory torch reports for each (GiB; nvidia-smi's
+# figure is ~0.5 GiB higher: 81,559 MiB on the H100 80GB, 81,920 on the A100 80GB, 143,771 on the H200).
+GPU_PRESETS = {"a100_80gb": 79.2, "h100_80gb": 79.2, "h200": 139.8}
+# scripts/plan.py on a machine without a GPU plans for this GPU and host size unless told otherwise: the
+# H100 80GB and the 125 GiB MemTotal of its 128 GiB host, the machine docs/BENCHMARKS.md measures.
+PLANNING_GPU, PLANNING_HOST_GIB = "h100_80gb", 125.0
+
 
 @dataclass
 class MemoryConfig:
@@ -28,7 +35,9 @@ class MemoryConfig:
     # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
     mlp_tile_tokens: int = 16384
     mlp_tiles: Optional[int] = None
-    # Capacities the planner fits into; None reads the machine (GPU total memory, host MemTotal).
+    # Capacities the planner fits into; None reads the machine (GPU total memory, host MemTotal). `gpu`
+    # names a GPU instead of its size: a100_80gb | h100_80gb | h200 (GPU_PRESETS).
+    gpu: Optional[str] = None
     gpu_memory_gib: Optional[float] = None
     host_memory_gib: Optional[float] = None
     # Share of host memory that may be page-locked (104 of 125 GiB could be on the benchmark machine;
@@ -53,3 +62,16 @@ def check_memory(memory_cfg) -> None:
         value = getattr(memory_cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"memory.{name}={value} must be positive (or null to read this machine's)")
+    if memory_cfg.gpu is not None:
+        if memory_cfg.gpu not in GPU_PRESETS:
+            raise ConfigError(f"memory.gpu={memory_cfg.gpu!r} is not one of {tuple(GPU_PRESETS)} "
+                              f"(or give memory.gpu_memory_gib=<GiB>)")
+        if memory_cfg.gpu_memory_gib not in (None, GPU_PRESETS[memory_cfg.gpu]):    # once resolved, equal
+            raise ConfigError(f"memory.gpu={memory_cfg.gpu} and memory.gpu_memory_gib={memory_cfg.gpu_memory_gib}: "
+                              f"give one")
+
+
+def resolve_gpu_preset(memory_cfg) -> None:
+    """Fill memory.gpu_memory_gib from the GPU named by memory.gpu (checked by check_memory)."""
+    if memory_cfg.gpu is not None:
+        memory_cfg.gpu_memory_gib = GPU_PRESETS[memory_cfg.gpu]
