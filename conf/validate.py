@@ -77,7 +77,13 @@ def unknown_paths(values, schema: type, prefix: str = "") -> list[str]:
 
 def nearest(path: str, candidates: list[str]) -> str:
     """The valid path closest to `path`: the same name in another group first (`warmup_steps` ->
-    `optim.warmup_steps`), else by difflib's similarity."""
+    `optim.warmup_steps`), then a name that abbreviates it by its words' initials (`learning_rate` -> `lr`),
+    else by difflib's similarity."""
     name = path.rpartition(".")[2]
-    return max(candidates, key=lambda candidate: (candidate.rpartition(".")[2] == name,
-                                                  difflib.SequenceMatcher(None, path, candidate).ratio()))
+    initials = "".join(word[0] for word in name.split("_") if word)
+
+    def closeness(candidate: str) -> tuple:
+        candidate_name = candidate.rpartition(".")[2]
+        return (candidate_name == name, len(initials) > 1 and candidate_name == initials,
+                difflib.SequenceMatcher(None, path, candidate).ratio())
+    return max(candidates, key=closeness)

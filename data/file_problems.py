@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 # Files named per group of fields in a message, before "and N more".
 SHOWN_FILES = 3
@@ -23,22 +24,22 @@ def is_json_array(file: Path) -> bool:
         return text.read(4096).lstrip().startswith("[")
 
 
-def json_records(file: Path) -> list:
-    """The records of a JSON array file or a JSON-lines file (datasets' json builder reads both)."""
+def json_records(file: Path) -> Iterator:
+    """The records of a JSON array file or a JSON-lines file (datasets' json builder reads both), one at a
+    time: only their field names are kept, so explaining a failure never holds a large file's records."""
     if is_json_array(file):
         try:
-            return json.loads(file.read_text(encoding="utf-8"))
+            yield from json.loads(file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
             raise MalformedJson(error.lineno, error.msg) from error
-    records = []
+        return
     with file.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    yield json.loads(line)
                 except json.JSONDecodeError as error:
                     raise MalformedJson(number, error.msg) from error
-    return records
 
 
 def file_fields(file: Path, builder: str) -> tuple[str, ...]:

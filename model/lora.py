@@ -39,9 +39,17 @@ class FusedAdapterForward:
             return None
         return name
 
+    def _one_dtype(self, x: torch.Tensor, name: str) -> bool:
+        """addmm takes one dtype: autocast gives it; otherwise base, adapters and input must already agree
+        (a bf16 base with fp32 adapters outside autocast is left to peft, which promotes)."""
+        layer = self.layer
+        dtypes = {x.dtype, layer.base_layer.weight.dtype, layer.lora_A[name].weight.dtype,
+                  layer.lora_B[name].weight.dtype}
+        return torch.is_autocast_enabled(x.device.type) or len(dtypes) == 1
+
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         name = None if args or kwargs else self._single_plain_adapter()
-        if name is None:
+        if name is None or not self._one_dtype(x, name):
             return self.peft_forward(x, *args, **kwargs)
         layer = self.layer
         result = layer.base_layer(x)

@@ -52,7 +52,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     from conf.schema import register_configs
     from conf.validate import validate
     from model import unwrap_llama
-    from trainer.build import build_model
+    from trainer.build import build_model, checked_plan
     from trainer.optim import build_optimizer
     from trainer.step import clip_gradients
 
@@ -63,7 +63,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     validate(cfg)
     kernels.set_backend(cfg.kernels)
     device = torch.device("cuda")
-    built = build_model(cfg, device)
+    built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim, plan.full_state)
     lm = unwrap_llama(model)

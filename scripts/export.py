@@ -23,7 +23,8 @@ from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
 from data.tokenize import tokenizer_files  # noqa: E402
-from model.hf_checkpoint import WEIGHTS_FILE, full_weights, read_config, token_ids, weight_files  # noqa: E402
+from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, read_config, token_ids,  # noqa: E402
+                                 weight_files)
 from trainer.build import architecture  # noqa: E402
 from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
                                        load_adapter, marker_problem)
@@ -107,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         out = export(args.checkpoint, args.out_dir, args.dtype)
-    except (ExportError, CheckpointError) as error:
+    except (ExportError, CheckpointError, HFCheckpointError, OSError) as error:
         sys.exit(f"export failed: {error}")
     print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 

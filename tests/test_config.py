@@ -117,7 +117,7 @@ def test_kernels_backend_check(monkeypatch):
 
 @pytest.mark.parametrize("override,message", [
     ("+foo=1", "unknown setting foo: the nearest is "),
-    ("+optim.learning_rate=5e-5", "unknown setting optim.learning_rate: the nearest is optim.min_lr_ratio "
+    ("+optim.learning_rate=5e-5", "unknown setting optim.learning_rate: the nearest is optim.lr "
                                   "\\(optim has: name, lr, "),
     ("+warmup_steps=5", "unknown setting warmup_steps: the nearest is optim.warmup_steps"),
     ("+logger.wandb.projct=x", "unknown setting logger.wandb.projct: the nearest is logger.wandb.project"),

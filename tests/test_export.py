@@ -146,3 +146,21 @@ def test_export_refuses_what_it_cannot_do_without_touching_anything(tmp_path):
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     with pytest.raises(ExportError, match="COMPLETE marker"):
         export(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+
+
+def test_a_broken_base_is_one_line_not_a_traceback(pretrained_lora, hf_base, tmp_path):
+    import shutil
+    checkpoint, _ = pretrained_lora
+    base, copy = tmp_path / "base", tmp_path / "step-3"
+    shutil.copytree(hf_base, base)
+    (base / "config.json").write_text("{ not json")
+    shutil.copytree(checkpoint, copy)
+    config, marker = copy / "config.yaml", copy / "COMPLETE"
+    config.write_text(config.read_text().replace(str(hf_base), str(base)))
+    listing = json.loads(marker.read_text())        # a complete checkpoint whose model.path now names `base`
+    listing["files"]["config.yaml"] = config.stat().st_size
+    marker.write_text(json.dumps(listing))
+    done = subprocess.run([sys.executable, "scripts/export.py", str(copy), str(tmp_path / "hf")], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("export failed:") and "config.json" in done.stderr

@@ -95,3 +95,11 @@ def test_hands_back_to_peft_when_adapters_are_disabled():
         active, expected_base = model(ids), base_only(ids)
     assert relative_error(disabled, expected_base) < 1e-6
     assert relative_error(active, expected_base) > 1e-3      # the adapters act again outside the context
+
+
+def test_mixed_dtypes_outside_autocast_go_to_peft():
+    layer = lora_model().base_model.model.model.layers[0].mlp.gate_proj
+    layer.base_layer.to(torch.bfloat16)                   # a bf16 base with fp32 adapters, no autocast
+    x = torch.randn(8, CFG.hidden_size, dtype=torch.bfloat16)
+    expected = layer.forward(x)
+    assert torch.equal(FusedAdapterForward(layer)(x), expected)

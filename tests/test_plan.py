@@ -180,14 +180,14 @@ def test_without_a_gpu_the_trainer_says_so_once_and_suggests_only_what_helps(cap
 
     from conf.schema import register_configs
     from conf.validate import ConfigError, validate
-    from trainer.build import build_model
+    from trainer.build import checked_plan
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model=llama3_8b", "seq_len=65536", "memory.host_memory_gib=16"])
     validate(cfg)
     with caplog.at_level("INFO"), pytest.raises(ConfigError) as error:
-        build_model(cfg, torch.device("cpu"))
+        checked_plan(cfg, torch.device("cpu"))
     message = str(error.value)
     assert message.startswith("no CUDA GPU is visible")
     assert "python scripts/plan.py model=llama3_8b train=lora seq_len=65536 memory.gpu=h100_80gb" in message
@@ -196,23 +196,25 @@ def test_without_a_gpu_the_trainer_says_so_once_and_suggests_only_what_helps(cap
     assert (message + caplog.text).count("memory plan:") == 1
 
 
-def test_trainer_fails_before_building_the_model(monkeypatch):
+def test_trainer_fails_before_building_the_model_or_writing_the_run_dir(monkeypatch, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from conf.schema import register_configs
     from conf.validate import ConfigError
     from model import Llama
-    from trainer.build import build_model
+    from trainer.loop import train
 
     def must_not_build(*args, **kwargs):
         raise AssertionError("the model was built before the memory check")
 
     monkeypatch.setattr(Llama, "from_config", must_not_build)
     register_configs()
+    run_dir = tmp_path / "run"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["seq_len=4096", "memory.gpu_memory_gib=0.01"])
+        cfg = compose("config", overrides=["seq_len=4096", "memory.gpu_memory_gib=0.01", f"output_dir={run_dir}"])
     with pytest.raises(ConfigError, match="does not fit"):
-        build_model(cfg, torch.device("cpu"))
+        train(cfg)
+    assert not run_dir.exists()
 
 
 def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():

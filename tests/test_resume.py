@@ -183,3 +183,14 @@ def test_raising_max_steps_on_resume_follows_the_new_schedule_from_the_resumed_s
     expected = [5e-4 * lr_multiplier(step - 1, 1, 8, 0.1) for step in range(5, 9)]
     assert applied == pytest.approx(expected, rel=1e-12)
     assert [r["lr"] for r in records(tmp_path)[4:]] == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_auto_warmup_stays_the_one_the_run_started_with(tmp_path, monkeypatch):
+    """max_steps=4 caps the auto warmup to 0; resumed with max_steps=40 the default (30) would fit, and the
+    learning rate would fall from its peak and warm up again."""
+    auto = ("optim.warmup_steps=null", "optim.lr=1e-3", "optim.min_lr_ratio=0.1")
+    train(job_config(tmp_path, "max_steps=4", *auto))
+    applied = applied_learning_rates(monkeypatch)
+    train(job_config(tmp_path, "max_steps=40", *auto))
+    expected = [1e-3 * lr_multiplier(step - 1, 0, 40, 0.1) for step in range(5, 41)]
+    assert applied == pytest.approx(expected, rel=1e-12)

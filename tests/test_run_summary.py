@@ -31,6 +31,14 @@ def test_a_resumed_run_counts_only_its_own_steps(tmp_path, caplog):
     assert summary.startswith("finished at step 3/3 (1 step in this start): ")
 
 
+def test_the_run_log_is_closed_when_the_run_ends(tmp_path):
+    train(job_config(tmp_path / "first", "max_steps=2"))
+    logging.getLogger("after").warning("logged after the run")
+    assert "logged after the run" not in (tmp_path / "first" / "train.log").read_text()
+    assert not [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+                and str(tmp_path) in h.baseFilename]
+
+
 def record(step: int, **values) -> dict:
     return {"step": step, "loss": 3.0 / step, "tokens_per_s": 100.0 * step, "host_rss_gib": 1.5,
             "offload/pinned_gib": 0.0, "offload/hidden_gib": None, **values}

@@ -75,7 +75,7 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings = [f"model={cfg.model.name}", f"train={cfg.train.mode}", f"seq_len={cfg.seq_len}"]
     settings += [f"batch_size={cfg.batch_size}"] * (cfg.batch_size != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
-    if plan.gpu["weights"] > max(0, plan.capacity.gpu_limit):     # no memory.* setting can help
+    if plan.gpu["weights"] > plan.capacity.gpu_limit > 0:     # no memory.* setting can help
         failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
                    f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
     else:
@@ -95,12 +95,17 @@ class Built:
     policy: MemoryPolicy
 
 
-def build_model(cfg, device: torch.device) -> Built:
-    """The model of a validated `cfg` with its memory policy installed. Raises ConfigError before allocating
-    anything when the memory plan does not fit."""
+def checked_plan(cfg, device: torch.device) -> MemoryPlan:
+    """The memory plan of a validated `cfg`; ConfigError with the numbers and what helps when it does not fit
+    (unless memory.check=false). Asked before anything is built or written."""
     plan = plan_for(cfg, device)
     if cfg.memory.check and not plan.fits:
         raise ConfigError(plan_failure(cfg, plan))
+    return plan
+
+
+def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
+    """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says."""
     log.info("%s", plan.describe())
     dtype = weight_dtype(cfg.train.mode, device, plan)
     if cfg.model.path:
@@ -125,7 +130,7 @@ def lora_base_path(cfg) -> str | None:
     if cfg.model.path:
         return str(Path(cfg.model.path).expanduser().resolve())
     if cfg.checkpoint.save_random_base:
-        return str(Path(cfg.output_dir).expanduser().resolve() / BASE_MODEL_DIR)
+        return str(Path(cfg.output_dir).resolve() / BASE_MODEL_DIR)
     return None
 
 

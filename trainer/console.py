@@ -2,6 +2,7 @@
 `log_every` steps (which also lands in <run dir>/train.log), and a summary at the end."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -16,18 +17,20 @@ log = logging.getLogger(__name__)
 RUN_LOG = "train.log"
 
 
-def log_to_run_dir(run_dir: Path) -> None:
-    """From now on the log also goes to <run_dir>/train.log, formatted as on the terminal. Opened by the
-    trainer once the config is accepted (Hydra's own file log is off: conf/hydra/job_logging/console.yaml),
-    replacing the file of a previous run in the same process."""
+@contextlib.contextmanager
+def logging_to_run_dir(run_dir: Path):
+    """While open, the log also goes to <run_dir>/train.log, formatted as on the terminal (Hydra's own file
+    log is off: conf/hydra/job_logging/console.yaml). The trainer opens it once the config is accepted and
+    closes it when the run ends, however it ends, so later logging in the process stays out of the file."""
     root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, "run_log", False)]:
-        root.removeHandler(handler)
-        handler.close()
     handler = logging.FileHandler(run_dir / RUN_LOG)
-    handler.run_log = True
     handler.setFormatter(next((h.formatter for h in root.handlers if h.formatter), None))
     root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def startup_summary(lines: dict[str, str]) -> None:

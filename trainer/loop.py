@@ -24,16 +24,16 @@ from data import build_data, preflight_data
 from model.hf_checkpoint import full_weights, is_lora
 from offload.plan import MemoryPlan
 from offload.units import GIB
-from trainer.build import Built, build_model, count_parameters
+from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import ProgressBar, end_summary, log_to_run_dir, startup_summary, step_line
+from trainer.console import ProgressBar, end_summary, logging_to_run_dir, startup_summary, step_line
 from trainer.disk_space import save_hf_model_if_room
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import checkpoint_to_resume
+from trainer.resume import checkpoint_to_resume, keep_started_warmup
 from trainer.signals import StopSignals
 from trainer.step import train_step
 from trainer.wandb_run import open_wandb
@@ -48,12 +48,11 @@ def seed_everything(seed: int) -> None:
 
 
 def create_run_dir(run_dir: Path) -> None:
-    """The first write of a run, after validation: output_dir, with train.log in it."""
+    """The first write of a run, after validation: output_dir."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
-    log_to_run_dir(run_dir)
 
 
 def write_resolved_config(cfg, run_dir: Path) -> str:
@@ -85,18 +84,29 @@ def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: tor
 def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics."""
+    auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = resolve_device(cfg.device)
     kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)
+    plan = checked_plan(cfg, device)        # a job that cannot fit stops before writing anything
     run_dir = Path(cfg.output_dir)
     create_run_dir(run_dir)
+    with logging_to_run_dir(run_dir):
+        return run_job(cfg, training, device, plan, run_dir, auto_warmup)
+
+
+def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool) -> dict:
+    """The job of a validated `cfg` whose plan fits and whose run directory exists: resume or start, build,
+    train, checkpoint; returns the last step's metrics."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = checkpoint_to_resume(cfg, checkpoints)
+    kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
+    training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = write_resolved_config(cfg, run_dir)
 
-    built = build_model(cfg, device)
+    built = build_model(cfg, device, plan)
     model = built.model
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)

@@ -127,3 +127,14 @@ def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoin
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,
              loaded.progress.tokens_seen)
     return loaded
+
+
+def keep_started_warmup(cfg, loaded: LoadedCheckpoint) -> str | None:
+    """An auto warmup (optim.warmup_steps left unset) stays the one the run started with: resolved again
+    against a raised max_steps it could change mid-run, and the learning rate would fall and warm up again.
+    Returns what the startup summary should add, None when nothing changed."""
+    started = OmegaConf.create(loaded.config_yaml).optim.warmup_steps
+    if started is None or started == cfg.optim.warmup_steps or started >= cfg.max_steps:
+        return None
+    cfg.optim.warmup_steps = started
+    return f"optim.warmup_steps={started} kept from the resumed run (auto)"

@@ -92,16 +92,21 @@ def check_job(cfg) -> None:
         raise ConfigError(f"logger.peak_tflops={cfg.logger.peak_tflops} must be positive (the accelerator's peak)")
     if cfg.max_bad_steps < 1:
         raise ConfigError(f"max_bad_steps={cfg.max_bad_steps} must be at least 1")
+    cfg.output_dir = os.path.expanduser(cfg.output_dir)     # every user of the setting sees one path
     check_output_dir(cfg.output_dir)
 
 
 def check_output_dir(output_dir: str) -> None:
     """What can be told without writing: output_dir is, or would be created in, a writable directory. The
     trainer creates it (trainer.loop.create_run_dir), naming output_dir if that still fails (/proc/x)."""
-    path = Path(output_dir).expanduser().absolute()
-    if path.exists() and not path.is_dir():
+    path = Path(output_dir).absolute()
+    try:
+        is_file = path.exists() and not path.is_dir()
+        existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    except OSError as error:         # e.g. a parent that cannot be entered
+        raise ConfigError(f"output_dir={output_dir!r} cannot be used: {error.strerror}") from None
+    if is_file:
         raise ConfigError(f"output_dir={output_dir!r} is a file: give a directory (new or a previous run's)")
-    existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not existing.is_dir():
         raise ConfigError(f"output_dir={output_dir!r} is under the file {str(existing)!r}: give a directory path")
     if not os.access(existing, os.W_OK | os.X_OK):
