@@ -8,7 +8,8 @@ import kernels
 from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.engine import ALIGNMENT, CopyEngine
-from offload.policy import LayerInputStore, apply_memory_policy
+from offload.policy import apply_memory_policy
+from offload.store import LayerInputStore
 from trainer.build import apply_lora
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,

@@ -168,7 +168,7 @@ def test_trainer_fails_before_building_the_model(monkeypatch):
 
 def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
     """Layer 1 can be rebuilt from layer 0's host copy: 16 of 32 layers, as with inputs on the GPU."""
-    from offload.policy import LayerInputStore
+    from offload.store import LayerInputStore
     from offload.engine import CopyEngine
     placements = plan(524288, MemoryConfig(gpu_layers=0, recomputed_inputs=32)).placements
     assert placements.count("recompute") == 16 and placements.count("gpu") == 0
