@@ -1,13 +1,14 @@
 """The memory policy: per-layer checkpointing with offloaded layer inputs, and sequence-tiled MLPs.
 
 `apply_memory_policy(model, placements, mlp_tiles, device)` replaces `LlamaModel.run_layer` on the instance
-(the model code knows nothing of this) and the MLPs' `forward`. Per decoder layer, only its input survives
-the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the next layer
-computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" / "recompute"
-placements). The backward of layer i waits for its input, starts the host-to-GPU copy of the one needed
-next, recomputes layer i with grad and back-propagates through it; LoRA parameters accumulate their
-gradients there, as in reentrant checkpointing. Host buffers are pinned at the planner's sizes
-(`pin_buffers`).
+(the model code knows nothing of this) and the MLPs' `forward`. Per checkpointed decoder layer, only its
+input survives the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the
+next layer computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" /
+"recompute" placements; offload.store holds them). A "full" layer is not checkpointed: plain autograd
+keeps its activations and its backward recomputes nothing but its tiled MLP's tiles. The backward of a
+checkpointed layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
+layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
+reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_buffers`).
 
 Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
 log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
@@ -149,9 +150,10 @@ class MemoryPolicy:
                     self.engine.pool.get(attention_key(index, 0, part), size)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return layer(hidden, rope, cu_seqlens)
-        return OffloadedCheckpoint.apply(self.anchor, hidden, self, self.index_of[id(layer)], rope, cu_seqlens)
+        index = self.index_of[id(layer)]
+        if not torch.is_grad_enabled() or self.store.placements[index] == "full":
+            return layer(hidden, rope, cu_seqlens)      # "full": autograd keeps its activations, no recompute
+        return OffloadedCheckpoint.apply(self.anchor, hidden, self, index, rope, cu_seqlens)
 
     def forward_layer(self, index: int, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         """Layer `index`'s forward without grad, recording its attention outputs if they are to be kept."""

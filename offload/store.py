@@ -1,7 +1,8 @@
 """Where each decoder layer's input (and its kept attention outputs) lives between its forward and its
 backward: on the GPU, in pinned host memory (copied on the copy engine's side stream), or nowhere
 ("recompute": rebuilt from the layer below's input), plus the autocast and RNG state that lets a
-recomputation compute what the forward did. `offload.policy` drives it.
+recomputation compute what the forward did. `offload.policy` drives it. A "full" layer is not
+checkpointed at all: plain autograd keeps its activations, so the store holds nothing for it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 from kernels.attention_tape import AttentionTape
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
-PLACEMENTS = ("gpu", "host", "recompute")
+PLACEMENTS = ("gpu", "host", "recompute", "full")
+# Placements whose input the store keeps: a "recompute" layer is rebuilt from the layer below's.
+KEPT = ("gpu", "host")
 ATTENTION_PLACEMENTS = ("gpu", "host", "none")
 
 
@@ -67,6 +70,22 @@ def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
     return payload.wait() if isinstance(payload, PendingTensor) else payload
 
 
+def check_placements(placements: list[str], attention: list[str]) -> None:
+    """Raise ValueError for a layout the store cannot serve."""
+    unknown = set(placements) - set(PLACEMENTS)
+    if unknown:
+        raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
+    if len(attention) != len(placements) or set(attention) - set(ATTENTION_PLACEMENTS):
+        raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
+                         f"({len(placements)}), got {attention}")
+    if any(p == "recompute" and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
+        raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu or host): not layer 0, "
+                         f"never above a 'recompute' or 'full' layer; got {placements}")
+    if any(p == "full" and a != "none" for p, a in zip(placements, attention)):
+        raise ValueError("a 'full' layer is never recomputed, so its attention placement must be 'none'; got "
+                         f"placements {placements}, attention {attention}")
+
+
 @dataclass(eq=False)
 class StoredInput:
     placement: str
@@ -86,17 +105,8 @@ class LayerInputStore:
     and prefetches in the backward."""
 
     def __init__(self, placements: list[str], engine: CopyEngine, attention: list[str] | None = None):
-        unknown = set(placements) - set(PLACEMENTS)
-        if unknown:
-            raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
         attention = attention or ["none"] * len(placements)
-        if len(attention) != len(placements) or set(attention) - set(ATTENTION_PLACEMENTS):
-            raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
-                             f"({len(placements)}), got {attention}")
-        if placements and placements[0] == "recompute" or any(
-                a == b == "recompute" for a, b in zip(placements, placements[1:])):
-            raise ValueError("a 'recompute' layer needs the previous layer's input kept: not layer 0, never two "
-                             f"in a row; got {placements}")
+        check_placements(placements, attention)
         self.placements, self.attention, self.engine = placements, attention, engine
         self.stored: dict[int, StoredInput] = {}
 

@@ -67,7 +67,10 @@ def assert_same(reference, measured, rtol=1e-5):
     (["host"] * 4, 1, ["host"] * 4),
     (["gpu", "host", "recompute", "host"], 3, None),
     (["gpu", "recompute", "host", "recompute"], 5, None),
-], ids=["offload-all", "mixed-tiled", "recompute-tiled"])
+    (["full", "gpu", "recompute", "full"], 3, None),
+    (["full", "host", "full", "host"], 1, ["none", "host", "none", "gpu"]),
+    (["full"] * 4, 2, None),
+], ids=["offload-all", "mixed-tiled", "recompute-tiled", "full-mixed-tiled", "full-offload", "full-all"])
 def test_policy_matches_plain_autograd(placements, tiles, attention):
     model = lora_model()
     input_ids, labels = batch()
@@ -79,23 +82,28 @@ def test_policy_matches_plain_autograd(placements, tiles, attention):
     assert_same(reference, loss_and_grads(model, input_ids, labels))
 
 
-def test_dropout_replays_the_same_masks():
-    """Recomputation replays the forward's dropout masks. (Tiling itself draws masks per tile, so
-    tiled runs are compared with the same tiling without layer checkpointing.)"""
+@pytest.mark.parametrize("placements", [["host", "recompute", "gpu", "host"], ["full", "host", "recompute", "full"]],
+                         ids=["checkpointed", "with-full-layers"])
+def test_dropout_replays_the_same_masks(placements):
+    """Recomputation replays the forward's dropout masks, and full layers between checkpointed ones draw
+    theirs in the forward's order. (Tiling itself draws masks per tile, so tiled runs are compared with the
+    same tiling without layer checkpointing.)"""
     model = lora_model(dropout=0.3)
     input_ids, labels = batch()
     reference = loss_and_grads(model, input_ids, labels)
-    policy = apply_memory_policy(model, ["host", "recompute", "gpu", "host"], 1, torch.device("cpu"))
+    policy = apply_memory_policy(model, placements, 1, torch.device("cpu"))
     assert_same(reference, loss_and_grads(model, input_ids, labels))
     policy.remove()
     policy = apply_memory_policy(model, None, 4, torch.device("cpu"))
     tiled_reference = loss_and_grads(model, input_ids, labels)
     policy.remove()
-    apply_memory_policy(model, ["host", "recompute", "gpu", "host"], 4, torch.device("cpu"))
+    apply_memory_policy(model, placements, 4, torch.device("cpu"))
     assert_same(tiled_reference, loss_and_grads(model, input_ids, labels))
 
 
-def test_full_training_gradients_match():
+@pytest.mark.parametrize("placements", [["host", "host", "recompute", "gpu"], ["full", "host", "recompute", "full"]],
+                         ids=["checkpointed", "with-full-layers"])
+def test_full_training_gradients_match(placements):
     torch.manual_seed(0)
     model = Llama.from_config(LlamaConfig(**TINY))
     input_ids, labels = batch()
@@ -106,7 +114,7 @@ def test_full_training_gradients_match():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     reference = grads()
-    apply_memory_policy(model, ["host", "host", "recompute", "gpu"], 2, torch.device("cpu"))
+    apply_memory_policy(model, placements, 2, torch.device("cpu"))
     for name, grad in grads().items():
         torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-8, msg=name)
 
@@ -220,16 +228,24 @@ def host_to_device_copy_layers(policy, model, input_ids, labels) -> list[int]:
     return [layer_of[pointer] for pointer in copied]
 
 
-@pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"]])
+@pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"],
+                                        ["gpu", "full", "recompute"]])
 def test_invalid_placements_are_refused(placements):
+    """A recomputed input is rebuilt from the layer below's kept input: a full layer keeps none in the store."""
     with pytest.raises(ValueError):
         LayerInputStore(placements, CopyEngine(torch.device("cpu")))
 
 
-@pytest.mark.parametrize("attention", [["host"], ["host", "disk"]])
-def test_invalid_attention_placements_are_refused(attention):
-    with pytest.raises(ValueError, match="attention placements"):
-        LayerInputStore(["host", "host"], CopyEngine(torch.device("cpu")), attention)
+@pytest.mark.parametrize("placements, attention", [(["host", "host"], ["host"]), (["host", "host"], ["host", "disk"]),
+                                                   (["full", "host"], ["gpu", "none"])],
+                         ids=["too-few", "unknown", "full-layer-keeps-attention"])
+def test_invalid_attention_placements_are_refused(placements, attention):
+    with pytest.raises(ValueError, match="attention placement"):
+        LayerInputStore(placements, CopyEngine(torch.device("cpu")), attention)
+
+
+def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separates_them():
+    LayerInputStore(["full", "gpu", "recompute", "full", "host", "recompute"], CopyEngine(torch.device("cpu")))
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
@@ -251,6 +267,19 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     assert len(launches) == 6
     assert not policy.store.stored
     assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
+
+
+def test_full_layers_run_their_forward_once():
+    """A full layer keeps its activations: the backward re-runs no full layer, while a checkpointed one runs
+    again (and a recomputed input's layer below runs once more to rebuild it)."""
+    model = lora_model()
+    input_ids, labels = batch()
+    apply_memory_policy(model, ["full", "gpu", "recompute", "full"], 1, torch.device("cpu"))
+    calls = []
+    for index, layer in enumerate(model.get_base_model().model.layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
+    loss_and_grads(model, input_ids, labels)
+    assert calls == [0, 1, 2, 3, 1, 2, 1]     # forward; layer 2's input rebuilt, layer 2, layer 1
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
