@@ -249,7 +249,14 @@ def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separate
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
-def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch):
+@pytest.mark.parametrize("placements, attention, launches, host_kept", [
+    # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
+    (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"], 6, 3),
+    # full layers run their attention once; layers 1 and 3 replay theirs
+    (["full", "host", "full", "host"], ["none", "host", "none", "gpu"], 4, 1),
+], ids=["checkpointed", "with-full-layers"])
+def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch, placements, attention,
+                                                                         launches, host_kept):
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
     attention (interpreted on CPU) is the one that records; head dim 64 is a size it supports."""
@@ -258,15 +265,13 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
-    forward_kernel, launches = flash._attention_forward, []
-    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launches.append(1) or forward_kernel(*a))
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
-                                 attention=["host", "gpu", "none", "host"])
+    forward_kernel, launched = flash._attention_forward, []
+    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launched.append(1) or forward_kernel(*a))
+    policy = apply_memory_policy(model, placements, 2, torch.device("cpu"), attention=attention)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
-    # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
-    assert len(launches) == 6
+    assert len(launched) == launches
     assert not policy.store.stored
-    assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
+    assert ("attention", host_kept, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
 
 def test_full_layers_run_their_forward_once():
@@ -295,15 +300,18 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
-def test_policy_matches_plain_autograd_on_cuda():
+@pytest.mark.parametrize("placements, attention", [
+    (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"]),
+    (["full", "host", "recompute", "full"], ["none", "host", "none", "none"]),
+], ids=["checkpointed", "with-full-layers"])
+def test_policy_matches_plain_autograd_on_cuda(placements, attention):
     kernels.set_backend("auto")
     # head_dim 64: a size the Triton attention supports
     model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
     input_ids, labels = batch(seqlen=512, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     reference = loss_and_grads(model, input_ids, labels, autocast=autocast)
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 3, torch.device("cuda"),
-                                 attention=["host", "gpu", "none", "host"])
+    policy = apply_memory_policy(model, placements, 3, torch.device("cuda"), attention=attention)
     for _ in range(2):      # the second step reuses the pinned buffers
         loss, grads = loss_and_grads(model, input_ids, labels, autocast=autocast)
         torch.testing.assert_close(loss, reference[0], rtol=1e-2, atol=0)
