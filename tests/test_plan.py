@@ -229,7 +229,7 @@ def test_tile_advice_unsets_an_explicit_tile_count():
     assert "memory.mlp_tiles=null memory.mlp_tile_tokens=4096" in failing.failure()
 
 
-@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2"])
+@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2", "memory.full_layers=-1"])
 def test_trainer_names_an_unplannable_memory_setting(setting):
     from hydra import compose, initialize_config_dir
 
