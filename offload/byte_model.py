@@ -5,10 +5,11 @@ architecture and the config before any model exists.
          + layer inputs and attention outputs kept on the GPU + the largest transient of the step
   host = process baseline + pinned layer inputs and attention outputs
 
-A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_bytes`) replaces its kept
-input and attention output with everything its backward reads. The transient is the larger of a decoder layer's backward (recomputed activations, their gradients,
-the next input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final
-hidden states, their gradient and the linear-cross-entropy's chunk budget). Activation counts are in
+A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_bytes`) holds everything its
+backward reads instead of its input and attention output. The transient is the larger of a decoder layer's
+backward (recomputed activations, their gradients, the next input's prefetch, attention statistics, one MLP
+tile's intermediates) and the loss (final hidden states, their gradient and the linear-cross-entropy's chunk
+budget). Activation counts are in
 units of one [tokens, hidden] tensor and were calibrated against measured peaks on the H100
 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host buffers at these sizes
 (`Shape`), so what the plan counts is what is allocated.

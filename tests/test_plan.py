@@ -129,7 +129,8 @@ def test_no_attention_output_is_kept_at_the_cost_of_recomputing_inputs():
 
 def test_kept_attention_layers_is_obeyed():
     assert plan(65536, MemoryConfig(kept_attention_layers=0)).attention == ["none"] * 32
-    assert plan(65536, MemoryConfig(kept_attention_layers=5, full_layers=0)).attention == ["none"] * 27 + ["gpu"] * 5
+    five = plan(65536, MemoryConfig(kept_attention_layers=5, full_layers=0))
+    assert five.attention == ["none"] * 27 + ["gpu"] * 5
     forced = plan(524288, MemoryConfig(kept_attention_layers=32))
     assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
 
@@ -229,7 +230,8 @@ def test_tile_advice_unsets_an_explicit_tile_count():
     assert "memory.mlp_tiles=null memory.mlp_tile_tokens=4096" in failing.failure()
 
 
-@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2", "memory.full_layers=-1"])
+@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2",
+                                     "memory.full_layers=-1"])
 def test_trainer_names_an_unplannable_memory_setting(setting):
     from hydra import compose, initialize_config_dir
 
