@@ -9,10 +9,9 @@ A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_by
 backward reads instead of its input and attention output. The transient is the larger of a decoder layer's
 backward (recomputed activations, their gradients, the next input's prefetch, attention statistics, one MLP
 tile's intermediates) and the loss (final hidden states, their gradient and the linear-cross-entropy's chunk
-budget). Activation counts are in
-units of one [tokens, hidden] tensor and were calibrated against measured peaks on the H100
-(docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host buffers at these sizes
-(`Shape`), so what the plan counts is what is allocated.
+budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
+measured peaks on the H100 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host
+buffers at these sizes (`Shape`), so what the plan counts is what is allocated.
 """
 from __future__ import annotations
 
