@@ -5,12 +5,13 @@ architecture and the config before any model exists.
          + layer inputs and attention outputs kept on the GPU + the largest transient of the step
   host = process baseline + pinned layer inputs and attention outputs
 
-The transient is the larger of a decoder layer's backward (recomputed activations, their gradients,
-the next input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final
-hidden states, their gradient and the linear-cross-entropy's chunk budget). Activation counts are in
-units of one [tokens, hidden] tensor and were calibrated against measured peaks on the H100
-(docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host buffers at these sizes
-(`Shape`), so what the plan counts is what is allocated.
+A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_bytes`) holds everything its
+backward reads instead of its input and attention output. The transient is the larger of a decoder layer's
+backward (recomputed activations, their gradients, the next input's prefetch, attention statistics, one MLP
+tile's intermediates) and the loss (final hidden states, their gradient and the linear-cross-entropy's chunk
+budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
+measured peaks on the H100 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host
+buffers at these sizes (`Shape`), so what the plan counts is what is allocated.
 """
 from __future__ import annotations
 
@@ -130,3 +131,44 @@ def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict
         return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
                 "attention statistics": attention_stats, "MLP tile": mlp_tile}
     return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}
+
+
+def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda") -> int:
+    """Bytes autograd keeps from one "full" layer's forward to its backward, read off the ops (and pinned by
+    tests/test_plan.py to a measurement with saved-tensor hooks): the two norms' inputs (the layer input and
+    the residual after attention) and fp32 rstds; the Triton attention's q, k, v after RoPE, output, fp32
+    log-sum-exp and int32 document bounds (RoPE's products keep only the shared cos/sin tables); the inputs of
+    the projections that train; each LoRA adapter's down-projection output [tokens, r] (and with dropout its
+    own dropped-out input and mask instead of the shared input); and the MLP's input, or untiled its
+    intermediates. Llama-3-8B LoRA (r=16, no dropout) keeps 6.5 [tokens, hidden] activations, 6.5 times a
+    checkpointed layer's kept input; a tiled MLP still recomputes its tiles in the backward."""
+    arch, act = shape.arch, shape.act_bytes
+    d, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
+    q = arch.num_attention_heads * arch.head_dim
+    per_token = act * (2 * d + 2 * q + 2 * kv) + 4 * (2 + arch.num_attention_heads) + 2 * 4
+    # (names, input width, input already kept by another op): the attention output is o_proj's input.
+    projections = [(("q_proj", "k_proj", "v_proj"), d, False), (("o_proj",), q, True)]
+    if mlp_tiled:            # TokenTiled keeps the MLP's input only; its tiles run again in the backward
+        per_token += act * d
+    else:                    # silu's input (gate), its output and up, kept by silu and the product
+        per_token += act * 3 * arch.intermediate_size
+        projections += [(("gate_proj", "up_proj"), d, False), (("down_proj",), arch.intermediate_size, False)]
+    mask_bytes = 1 if device_type == "cuda" else act      # CUDA keeps a bool mask, the CPU a noise tensor
+    per_token += sum(_projection_inputs(train_cfg, names, width, kept, act, mask_bytes)
+                     for names, width, kept in projections)
+    return shape.tokens * per_token
+
+
+def _projection_inputs(train_cfg, names: tuple[str, ...], width: int, kept: bool, act: int, mask_bytes: int) -> int:
+    """Per-token bytes that projections reading one input keep for their weight gradients: the input once
+    (unless another op keeps it) for trained weights or dropout-free adapters; per adapter its [r] output,
+    and with dropout its own dropped-out input and mask (a frozen base projection keeps nothing)."""
+    if train_cfg.mode != "lora":
+        return 0 if kept else act * width
+    adapters = sum(name in train_cfg.lora_target_modules for name in names)
+    if not adapters:
+        return 0
+    down = adapters * act * train_cfg.lora_r
+    if train_cfg.lora_dropout > 0:
+        return down + adapters * width * (act + mask_bytes)
+    return down + (0 if kept else act * width)

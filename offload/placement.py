@@ -2,7 +2,8 @@
 
 Layer inputs first: the first k stay on the GPU, the rest go to pinned host memory, and every other one
 from the top is recomputed instead when the host cannot hold them all. Attention outputs (from the top
-layer down) then take the room left, on the GPU, then on the host.
+layer down) then take the room left, on the GPU, then on the host. GPU room still left then turns
+checkpointed layers into "full" ones, which keep every activation and recompute nothing.
 """
 from __future__ import annotations
 
@@ -77,15 +78,50 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: i
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
     placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
-    gpu = {"layer inputs on GPU": placements.count("gpu") * a}
-    host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if placements.count("host") else {}
-    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - gpu["layer inputs on GPU"],
-                                                    host_room - host.get("pinned layer inputs", 0), offload)
-    gpu["attention outputs on GPU"] = attention_gpu * shape.attention_bytes
-    if attention_host:
+    inputs_gpu, inputs_host = _layer_bytes(shape, placements, ["none"] * layers, 0)
+    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - sum(inputs_gpu.values()),
+                                                    host_room - sum(inputs_host.values()), offload)
+    attention = _attention_placements(layers, attention_gpu, attention_host)
+    return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0))
+
+
+def _layer_bytes(shape: Shape, placements: list[str], attention: list[str],
+                 full_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(GPU, host) bytes of kept inputs, attention outputs (with the GPU slot their host copies are
+    prefetched into) and full layers' activations (`full_bytes` each)."""
+    a = shape.activation
+    gpu = {"layer inputs on GPU": placements.count("gpu") * a,
+           "attention outputs on GPU": attention.count("gpu") * shape.attention_bytes}
+    host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if "host" in placements else {}
+    if "host" in attention:
         gpu["attention output prefetch"] = shape.attention_bytes
-        host["pinned attention outputs"] = attention_host * shape.attention_pinned_bytes
-    return KeptLayers(placements, _attention_placements(layers, attention_gpu, attention_host), gpu, host)
+        host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
+    if "full" in placements:
+        gpu["full layers' activations"] = placements.count("full") * full_bytes
+    return gpu, host
+
+
+def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: int, host_room: int,
+                     wanted: int | None) -> KeptLayers:
+    """Turn checkpointed layers into full ones (every activation kept, `full_bytes` each, no recompute and
+    no kept attention output): `wanted` of them, or with None each that still fits the GPU `room`. Each
+    saves one layer recompute of equal cost, so the order only decides the bytes: layers whose input is on
+    the GPU first (paid for already), then host-kept ones, from layer 0 up; never one below a recomputed
+    input, which is rebuilt from the input the layer below keeps."""
+    placements, attention = list(kept.placements), list(kept.attention)
+    candidates = [i for i, p in enumerate(placements) if p == "gpu"] + [
+        i for i, p in enumerate(placements) if p == "host" and placements[i + 1:i + 2] != ["recompute"]]
+    chosen, costs = 0, (kept.gpu, kept.host)
+    for index in candidates:
+        if wanted is not None and chosen == wanted:
+            break
+        trial_placements, trial_attention = list(placements), list(attention)
+        trial_placements[index], trial_attention[index] = "full", "none"
+        trial = _layer_bytes(shape, trial_placements, trial_attention, full_bytes)
+        if wanted is None and (sum(trial[0].values()) > room or sum(trial[1].values()) > host_room):
+            continue
+        placements, attention, costs, chosen = trial_placements, trial_attention, trial, chosen + 1
+    return KeptLayers(placements, attention, *costs)
 
 
 def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, offload: bool) -> tuple[int, int]:

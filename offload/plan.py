@@ -17,15 +17,15 @@ import torch
 
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                parameter_counts, pinned_size, transient_bytes)
-from offload.placement import keep_layers
+                                full_layer_bytes, parameter_counts, pinned_size, transient_bytes)
+from offload.placement import keep_layers, with_full_layers
 from offload.state_layouts import layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
 
 
 @dataclass
 class MemoryPlan:
-    placements: list[str] | None        # per layer: gpu | host | recompute; None: no checkpointing
+    placements: list[str] | None        # per layer: gpu | host | recompute | full; None: no checkpointing
     mlp_tiles: int
     attention: list[str] | None         # per layer, where its attention output is kept: gpu | host | none
     gpu: dict[str, int]                  # predicted peak GPU bytes, itemized
@@ -66,8 +66,9 @@ class MemoryPlan:
         return 0 if self.attention is None else self.attention.count(placement)
 
     def describe(self) -> str:
+        full = f"full layers={self.count('full')}, " if self.count("full") else ""    # only where some are
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
-                 f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, "
+                 f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, {full}"
                  f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
                  f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
@@ -125,11 +126,21 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         room = capacity.gpu_limit - sum(static.values()) - sum(transient.values())
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         kept = keep_layers(shape, memory_cfg, device, room, host_room)
+        kept = with_full_layers(kept, shape, full_layer_bytes(shape, train_cfg, tiles > 1), room, host_room,
+                                _wanted_full_layers(memory_cfg, device))
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)
         host.update(kept.host)
     gpu.update(transient)
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state)
+
+
+def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:
+    """memory.full_layers; left to the planner (None) only on CUDA, where the byte model's Triton attention
+    runs (trainer.build.memory_settings sets 0 where the reference attention would run)."""
+    if memory_cfg.full_layers is not None:
+        return memory_cfg.full_layers
+    return None if device.type == "cuda" else 0
 
 
 def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device) -> list[str]:
@@ -143,6 +154,8 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
         tips.append("memory.gpu_layers=null (let the planner choose how many inputs stay on the GPU)")
     if memory_cfg.recomputed_inputs is not None:
         tips.append("memory.recomputed_inputs=null (let the planner recompute inputs the host cannot hold)")
+    if memory_cfg.full_layers:
+        tips.append("memory.full_layers=null (keep every activation only of the layers that fit)")
     if memory_cfg.kept_attention_layers:
         tips.append("memory.kept_attention_layers=null (keep only the attention outputs that fit)")
     if plan.mlp_tiles * 4096 < seq_len * batch_size:

@@ -50,7 +50,8 @@ def main(cfg) -> None:
         sys.exit(2)
     print(plan.describe() if plan.fits else plan.failure())
     if plan.placements is not None:
-        print("layer inputs:     ", " ".join(p[0] for p in plan.placements), "(g=gpu h=host r=recomputed)")
+        full = " f=full: every activation kept" if "full" in plan.placements else ""
+        print("layer inputs:     ", " ".join(p[0] for p in plan.placements), f"(g=gpu h=host r=recomputed{full})")
         print("attention outputs:", " ".join(p[0] for p in plan.attention), "(g=gpu h=host n=not kept)")
     sys.exit(0 if plan.fits else 1)
 

@@ -34,11 +34,11 @@ def reference_kernels():
     kernels.set_backend("auto")
 
 
-def tiny_model(dtype=torch.float32, tiles=3, **arch):
+def tiny_model(dtype=torch.float32, tiles=3, placements=None, **arch):
     """Checkpointed layers and a tiled MLP, so a layer's gradients accumulate several times per backward."""
     torch.manual_seed(0)
     model = Llama.from_config(LlamaConfig(**{**TINY, **arch}), dtype=dtype)
-    apply_memory_policy(model, ["gpu"] * model.config.num_hidden_layers, tiles, CPU)
+    apply_memory_policy(model, placements or ["gpu"] * model.config.num_hidden_layers, tiles, CPU)
     return model
 
 
@@ -68,9 +68,12 @@ def assert_same_parameters(model, reference, atol=1e-5):
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("grads_on_host", [True, False])
-def test_matches_torch_adamw_with_accumulation_and_exact_clipping(grads_on_host):
-    reference, model = tiny_model(), tiny_model()
+@pytest.mark.parametrize("grads_on_host, placements", [(True, None), (False, None),
+                                                        (True, ["full", "gpu", "full"])],
+                         ids=["host-grads", "gpu-grads", "host-grads-full-layers"])
+def test_matches_torch_adamw_with_accumulation_and_exact_clipping(grads_on_host, placements):
+    """Full layers (plain autograd) back-propagate layer by layer too: units still complete in order."""
+    reference, model = tiny_model(), tiny_model(placements=placements)
     expected = run_steps(reference, build_optimizer(reference, OPTIM, None), steps=3)
     optimizer = streamed(model, grads_on_host)
     assert isinstance(optimizer, StreamedAdamW)

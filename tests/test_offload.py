@@ -8,7 +8,8 @@ import kernels
 from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.engine import ALIGNMENT, CopyEngine
-from offload.policy import LayerInputStore, apply_memory_policy
+from offload.policy import apply_memory_policy
+from offload.store import LayerInputStore
 from trainer.build import apply_lora
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
@@ -66,7 +67,10 @@ def assert_same(reference, measured, rtol=1e-5):
     (["host"] * 4, 1, ["host"] * 4),
     (["gpu", "host", "recompute", "host"], 3, None),
     (["gpu", "recompute", "host", "recompute"], 5, None),
-], ids=["offload-all", "mixed-tiled", "recompute-tiled"])
+    (["full", "gpu", "recompute", "full"], 3, None),
+    (["full", "host", "full", "host"], 1, ["none", "host", "none", "gpu"]),
+    (["full"] * 4, 2, None),
+], ids=["offload-all", "mixed-tiled", "recompute-tiled", "full-mixed-tiled", "full-offload", "full-all"])
 def test_policy_matches_plain_autograd(placements, tiles, attention):
     model = lora_model()
     input_ids, labels = batch()
@@ -78,23 +82,28 @@ def test_policy_matches_plain_autograd(placements, tiles, attention):
     assert_same(reference, loss_and_grads(model, input_ids, labels))
 
 
-def test_dropout_replays_the_same_masks():
-    """Recomputation replays the forward's dropout masks. (Tiling itself draws masks per tile, so
-    tiled runs are compared with the same tiling without layer checkpointing.)"""
+@pytest.mark.parametrize("placements", [["host", "recompute", "gpu", "host"], ["full", "host", "recompute", "full"]],
+                         ids=["checkpointed", "with-full-layers"])
+def test_dropout_replays_the_same_masks(placements):
+    """Recomputation replays the forward's dropout masks, and full layers between checkpointed ones draw
+    theirs in the forward's order. (Tiling itself draws masks per tile, so tiled runs are compared with the
+    same tiling without layer checkpointing.)"""
     model = lora_model(dropout=0.3)
     input_ids, labels = batch()
     reference = loss_and_grads(model, input_ids, labels)
-    policy = apply_memory_policy(model, ["host", "recompute", "gpu", "host"], 1, torch.device("cpu"))
+    policy = apply_memory_policy(model, placements, 1, torch.device("cpu"))
     assert_same(reference, loss_and_grads(model, input_ids, labels))
     policy.remove()
     policy = apply_memory_policy(model, None, 4, torch.device("cpu"))
     tiled_reference = loss_and_grads(model, input_ids, labels)
     policy.remove()
-    apply_memory_policy(model, ["host", "recompute", "gpu", "host"], 4, torch.device("cpu"))
+    apply_memory_policy(model, placements, 4, torch.device("cpu"))
     assert_same(tiled_reference, loss_and_grads(model, input_ids, labels))
 
 
-def test_full_training_gradients_match():
+@pytest.mark.parametrize("placements", [["host", "host", "recompute", "gpu"], ["full", "host", "recompute", "full"]],
+                         ids=["checkpointed", "with-full-layers"])
+def test_full_training_gradients_match(placements):
     torch.manual_seed(0)
     model = Llama.from_config(LlamaConfig(**TINY))
     input_ids, labels = batch()
@@ -105,7 +114,7 @@ def test_full_training_gradients_match():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     reference = grads()
-    apply_memory_policy(model, ["host", "host", "recompute", "gpu"], 2, torch.device("cpu"))
+    apply_memory_policy(model, placements, 2, torch.device("cpu"))
     for name, grad in grads().items():
         torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-8, msg=name)
 
@@ -219,20 +228,35 @@ def host_to_device_copy_layers(policy, model, input_ids, labels) -> list[int]:
     return [layer_of[pointer] for pointer in copied]
 
 
-@pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"]])
+@pytest.mark.parametrize("placements", [["recompute", "host"], ["host", "recompute", "recompute"], ["disk"],
+                                        ["gpu", "full", "recompute"]])
 def test_invalid_placements_are_refused(placements):
+    """A recomputed input is rebuilt from the layer below's kept input: a full layer keeps none in the store."""
     with pytest.raises(ValueError):
         LayerInputStore(placements, CopyEngine(torch.device("cpu")))
 
 
-@pytest.mark.parametrize("attention", [["host"], ["host", "disk"]])
-def test_invalid_attention_placements_are_refused(attention):
-    with pytest.raises(ValueError, match="attention placements"):
-        LayerInputStore(["host", "host"], CopyEngine(torch.device("cpu")), attention)
+@pytest.mark.parametrize("placements, attention", [(["host", "host"], ["host"]), (["host", "host"], ["host", "disk"]),
+                                                   (["full", "host"], ["gpu", "none"])],
+                         ids=["too-few", "unknown", "full-layer-keeps-attention"])
+def test_invalid_attention_placements_are_refused(placements, attention):
+    with pytest.raises(ValueError, match="attention placement"):
+        LayerInputStore(placements, CopyEngine(torch.device("cpu")), attention)
+
+
+def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separates_them():
+    LayerInputStore(["full", "gpu", "recompute", "full", "host", "recompute"], CopyEngine(torch.device("cpu")))
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
-def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch):
+@pytest.mark.parametrize("placements, attention, launches, host_kept", [
+    # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
+    (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"], 6, 3),
+    # full layers run their attention once; layers 1 and 3 replay theirs
+    (["full", "host", "full", "host"], ["none", "host", "none", "gpu"], 4, 1),
+], ids=["checkpointed", "with-full-layers"])
+def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch, placements, attention,
+                                                                         launches, host_kept):
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
     attention (interpreted on CPU) is the one that records; head dim 64 is a size it supports."""
@@ -241,15 +265,26 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
-    forward_kernel, launches = flash._attention_forward, []
-    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launches.append(1) or forward_kernel(*a))
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
-                                 attention=["host", "gpu", "none", "host"])
+    forward_kernel, launched = flash._attention_forward, []
+    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launched.append(1) or forward_kernel(*a))
+    policy = apply_memory_policy(model, placements, 2, torch.device("cpu"), attention=attention)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
-    # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
-    assert len(launches) == 6
+    assert len(launched) == launches
     assert not policy.store.stored
-    assert ("attention", 3, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
+    assert ("attention", host_kept, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
+
+
+def test_full_layers_run_their_forward_once():
+    """A full layer keeps its activations: the backward re-runs no full layer, while a checkpointed one runs
+    again (and a recomputed input's layer below runs once more to rebuild it)."""
+    model = lora_model()
+    input_ids, labels = batch()
+    apply_memory_policy(model, ["full", "gpu", "recompute", "full"], 1, torch.device("cpu"))
+    calls = []
+    for index, layer in enumerate(model.get_base_model().model.layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
+    loss_and_grads(model, input_ids, labels)
+    assert calls == [0, 1, 2, 3, 1, 2, 1]     # forward; layer 2's input rebuilt, layer 2, layer 1
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
@@ -265,15 +300,18 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: async copies on a side stream")
-def test_policy_matches_plain_autograd_on_cuda():
+@pytest.mark.parametrize("placements, attention", [
+    (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"]),
+    (["full", "host", "recompute", "full"], ["none", "host", "none", "none"]),
+], ids=["checkpointed", "with-full-layers"])
+def test_policy_matches_plain_autograd_on_cuda(placements, attention):
     kernels.set_backend("auto")
     # head_dim 64: a size the Triton attention supports
     model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
     input_ids, labels = batch(seqlen=512, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     reference = loss_and_grads(model, input_ids, labels, autocast=autocast)
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 3, torch.device("cuda"),
-                                 attention=["host", "gpu", "none", "host"])
+    policy = apply_memory_policy(model, placements, 3, torch.device("cuda"), attention=attention)
     for _ in range(2):      # the second step reuses the pinned buffers
         loss, grads = loss_and_grads(model, input_ids, labels, autocast=autocast)
         torch.testing.assert_close(loss, reference[0], rtol=1e-2, atol=0)

@@ -10,12 +10,14 @@ import torch
 from conf.schema import MemoryConfig
 from model import LlamaConfig
 from conf.schema.memory import MemoryConfig, check_memory
-from offload.byte_model import Capacity, parameter_counts, pinned_size
+from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
+from offload.engine import CopyEngine
 from offload.plan import plan_memory
+from offload.store import LayerInputStore
 from offload.units import GIB
 
 LLAMA3_8B = LlamaConfig()
-LORA = SimpleNamespace(mode="lora", lora_r=16, lora_target_modules=[
+LORA = SimpleNamespace(mode="lora", lora_r=16, lora_dropout=0.0, lora_target_modules=[
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
 CUDA = torch.device("cuda")
@@ -37,8 +39,49 @@ def test_pinned_buffers_round_to_powers_of_two():
 
 
 def test_short_sequences_keep_every_input_on_the_gpu():
-    short = plan(32768)
+    short = plan(32768, MemoryConfig(full_layers=0))
     assert short.fits and short.placements == ["gpu"] * 32 and short.pinned == 0
+
+
+@pytest.mark.parametrize("seq_len, full", [(32768, 31), (65536, 7)])
+def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, full):
+    """At 32k-64k the GPU has room: as many layers as fit keep every activation (no recompute, no kept
+    attention output), from layer 0 up; one more would not fit."""
+    chosen = plan(seq_len)
+    assert chosen.fits and chosen.count("full") == full and chosen.pinned == 0
+    assert chosen.placements == ["full"] * full + ["gpu"] * (32 - full)
+    assert chosen.attention == ["none"] * full + ["gpu"] * (32 - full)
+    assert chosen.gpu["full layers' activations"] == full * full_layer_bytes(chosen.shape, LORA, mlp_tiled=True)
+    assert f"full layers={full}" in chosen.describe()
+    assert not plan(seq_len, MemoryConfig(full_layers=full + 1)).fits
+    LayerInputStore(chosen.placements, CopyEngine(torch.device("cpu")), chosen.attention)    # a valid layout
+
+
+@pytest.mark.parametrize("seq_len, train", [(131072, LORA), (262144, LORA), (524288, LORA),
+                                            (32768, SimpleNamespace(mode="full", full_state="auto")),
+                                            (131072, SimpleNamespace(mode="full", full_state="auto"))])
+def test_no_full_layer_where_the_gpu_has_no_room(seq_len, train):
+    chosen, without = plan(seq_len, train=train), plan(seq_len, MemoryConfig(full_layers=0), train=train)
+    assert chosen.count("full") == 0
+    assert (chosen.placements, chosen.attention, chosen.gpu, chosen.host) == \
+        (without.placements, without.attention, without.gpu, without.host)
+
+
+def test_an_explicit_full_layer_count_is_obeyed_gpu_inputs_first_then_host_ones():
+    three = plan(65536, MemoryConfig(full_layers=3))
+    assert three.fits and three.placements == ["full"] * 3 + ["gpu"] * 29
+    mixed = plan(32768, MemoryConfig(gpu_layers=2, full_layers=5))
+    assert mixed.placements[:5] == ["full"] * 5 and mixed.count("gpu") == 0 and mixed.count("host") == 27
+    forced = plan(65536, MemoryConfig(full_layers=32))
+    assert not forced.fits and "memory.full_layers=null" in forced.failure()
+
+
+def test_no_full_layer_below_a_recomputed_input():
+    """A recomputed input is rebuilt from the layer below's kept input, which a full layer does not keep."""
+    chosen = plan(524288, MemoryConfig(full_layers=32))
+    placements = chosen.placements
+    assert chosen.count("full") > 0 and not chosen.fits
+    assert all(placements[i - 1] in ("gpu", "host") for i, p in enumerate(placements) if p == "recompute")
 
 
 @pytest.mark.parametrize("seq_len", [262144, 524288])
@@ -86,7 +129,8 @@ def test_no_attention_output_is_kept_at_the_cost_of_recomputing_inputs():
 
 def test_kept_attention_layers_is_obeyed():
     assert plan(65536, MemoryConfig(kept_attention_layers=0)).attention == ["none"] * 32
-    assert plan(65536, MemoryConfig(kept_attention_layers=5)).attention == ["none"] * 27 + ["gpu"] * 5
+    five = plan(65536, MemoryConfig(kept_attention_layers=5, full_layers=0))
+    assert five.attention == ["none"] * 27 + ["gpu"] * 5
     forced = plan(524288, MemoryConfig(kept_attention_layers=32))
     assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
 
@@ -219,8 +263,6 @@ def test_trainer_fails_before_building_the_model_or_writing_the_run_dir(monkeypa
 
 def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
     """Layer 1 can be rebuilt from layer 0's host copy: 16 of 32 layers, as with inputs on the GPU."""
-    from offload.policy import LayerInputStore
-    from offload.engine import CopyEngine
     placements = plan(524288, MemoryConfig(gpu_layers=0, recomputed_inputs=32)).placements
     assert placements.count("recompute") == 16 and placements.count("gpu") == 0
     LayerInputStore(placements, CopyEngine(torch.device("cpu")))       # a valid layout
@@ -228,7 +270,7 @@ def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
 
 @pytest.mark.parametrize("setting, value", [("gpu_layers", -1), ("recomputed_inputs", -1), ("mlp_tile_tokens", 0),
                                             ("mlp_tiles", 0), ("pinnable_fraction", 1.5),
-                                            ("host_memory_gib", 0)])
+                                            ("host_memory_gib", 0), ("full_layers", -1)])
 def test_unplannable_memory_settings_name_the_setting(setting, value):
     with pytest.raises(ValueError, match=f"memory.{setting}={value}"):
         check_memory(MemoryConfig(**{setting: value}))
@@ -239,7 +281,8 @@ def test_tile_advice_unsets_an_explicit_tile_count():
     assert "memory.mlp_tiles=null memory.mlp_tile_tokens=4096" in failing.failure()
 
 
-@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2"])
+@pytest.mark.parametrize("setting", ["memory.gpu_layers=-1", "memory.kept_attention_layers=-2",
+                                     "memory.full_layers=-1"])
 def test_trainer_names_an_unplannable_memory_setting(setting):
     from hydra import compose, initialize_config_dir
 
@@ -253,7 +296,7 @@ def test_trainer_names_an_unplannable_memory_setting(setting):
         validate(cfg)
 
 
-def test_no_attention_output_is_kept_where_the_reference_attention_runs():
+def test_no_attention_output_or_full_layer_where_the_reference_attention_runs():
     """Only the Triton attention records its outputs: on CPU (or kernels=reference) the planner keeps none,
     so nothing is reserved or pinned for them, and asking for some is a clear error."""
     from hydra import compose, initialize_config_dir
@@ -268,7 +311,12 @@ def test_no_attention_output_is_kept_where_the_reference_attention_runs():
         reference = compose("config", overrides=["model=llama3_8b", "seq_len=131072", "kernels=reference",
                                                  "memory.gpu_memory_gib=79.2", "memory.host_memory_gib=125"])
         forced = compose("config", overrides=["seq_len=256", "memory.kept_attention_layers=2"])
+        forced_full = compose("config", overrides=["seq_len=256", "memory.full_layers=2"])
     assert plan_for(on_cpu, torch.device("cpu")).attention == ["none"] * 32
     assert plan_for(reference, CUDA).attention == ["none"] * 32
+    # nor full layers: the byte model counts the Triton attention's saved tensors
+    assert plan_for(on_cpu, torch.device("cpu")).count("full") == plan_for(reference, CUDA).count("full") == 0
     with pytest.raises(ConfigError, match="memory.kept_attention_layers=2 needs the Triton attention"):
         plan_for(forced, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="memory.full_layers=2 needs the Triton attention"):
+        plan_for(forced_full, torch.device("cpu"))

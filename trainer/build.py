@@ -54,15 +54,17 @@ def plan_for(cfg, device: torch.device) -> MemoryPlan:
 
 def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
     """cfg.memory, keeping no attention outputs where the attention that runs records none (the reference
-    attention: kernels=reference, a CPU run, a head dim the Triton kernel lacks)."""
+    attention: kernels=reference, a CPU run, a head dim the Triton kernel lacks), and no full layers there
+    either: the planner counts the Triton attention's saved tensors, the reference keeps its [T, T] scores."""
     if kernels.attention_records(cfg.kernels, device.type, arch.head_dim):
         return cfg.memory
-    if cfg.memory.kept_attention_layers:
-        raise ConfigError(
-            f"memory.kept_attention_layers={cfg.memory.kept_attention_layers} needs the Triton attention "
-            f"(kernels=auto on a CUDA GPU, or kernels=triton, with head dim 64 or 128; here kernels="
-            f"{cfg.kernels}, device {device.type}, head dim {arch.head_dim}): set it to null or 0")
-    return OmegaConf.merge(cfg.memory, {"kept_attention_layers": 0})
+    for name in ("kept_attention_layers", "full_layers"):
+        if cfg.memory[name]:
+            raise ConfigError(
+                f"memory.{name}={cfg.memory[name]} needs the Triton attention (kernels=auto on a CUDA GPU, or "
+                f"kernels=triton, with head dim 64 or 128; here kernels={cfg.kernels}, device {device.type}, "
+                f"head dim {arch.head_dim}): set it to null or 0")
+    return OmegaConf.merge(cfg.memory, {"kept_attention_layers": 0, "full_layers": 0})
 
 
 def plan_failure(cfg, plan: MemoryPlan) -> str:

@@ -31,6 +31,10 @@ class MemoryConfig:
     # left, else in pinned host memory), so the backward's recomputation skips the attention forward (~15%
     # of a 131k-token step). One more [tokens, hidden] tensor per layer. None: as many as fit; 0: none.
     kept_attention_layers: Optional[int] = None
+    # Layers not checkpointed at all ("full": autograd keeps their activations, ~6.5 [tokens, hidden] tensors
+    # each, so their backward recomputes nothing but MLP tiles), from the GPU room left. None: as many as
+    # fit (on CUDA with the Triton attention, whose saved tensors the planner counts); 0: none.
+    full_layers: Optional[int] = None
     # The MLP runs in sequence tiles of this many tokens (recomputed per tile in the backward), so its
     # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
     mlp_tile_tokens: int = 16384
@@ -50,7 +54,7 @@ class MemoryConfig:
 def check_memory(memory_cfg) -> None:
     """Raise ConfigError naming the `memory.*` setting that cannot be planned (before any byte is counted)."""
     at_least = {"mlp_tile_tokens": 1, "mlp_tiles": 1, "gpu_layers": 0, "recomputed_inputs": 0,
-                "kept_attention_layers": 0}
+                "kept_attention_layers": 0, "full_layers": 0}
     for name, low in at_least.items():
         value = getattr(memory_cfg, name)
         if value is not None and value < low:

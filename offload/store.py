@@ -1,0 +1,186 @@
+"""Where each decoder layer's input (and its kept attention outputs) lives between its forward and its
+backward: on the GPU, in pinned host memory (copied on the copy engine's side stream), or nowhere
+("recompute": rebuilt from the layer below's input), plus the autocast and RNG state that lets a
+recomputation compute what the forward did. `offload.policy` drives it. A "full" layer is not
+checkpointed at all: plain autograd keeps its activations, so the store holds nothing for it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention_tape import AttentionTape
+from offload.engine import CopyEngine, HostCopy, PendingTensor
+
+PLACEMENTS = ("gpu", "host", "recompute", "full")
+# Placements whose input the store keeps: a "recompute" layer is rebuilt from the layer below's.
+KEPT = ("gpu", "host")
+ATTENTION_PLACEMENTS = ("gpu", "host", "none")
+
+
+@dataclass
+class ReplayState:
+    """Autocast and RNG state of a forward, so its recomputation computes the same values (dropout too)."""
+    device: torch.device
+    autocast: bool
+    autocast_dtype: torch.dtype
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "ReplayState":
+        kind = device.type
+        return cls(device, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
+                   torch.get_rng_state(), torch.cuda.get_rng_state(device) if kind == "cuda" else None)
+
+    @contextlib.contextmanager
+    def replay(self):
+        devices = [self.device] if self.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+                yield
+
+
+def input_key(index: int) -> tuple[str, int]:
+    """The pinned-pool key of layer `index`'s input."""
+    return ("layer_input", index)
+
+
+def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]:
+    """The pinned-pool key of layer `index`'s attention call `call`, part 0 (output) or 1 (lse)."""
+    return ("attention", index, call, part)
+
+
+Payload = torch.Tensor | HostCopy | PendingTensor
+
+
+def _started(payload: Payload, engine: CopyEngine) -> Payload:
+    """A host-held payload with its copy back to the device started; others as they are."""
+    return engine.to_device(payload) if isinstance(payload, HostCopy) else payload
+
+
+def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
+    """The payload on the device, the current stream waiting for its copy if one is in flight."""
+    payload = _started(payload, engine)
+    return payload.wait() if isinstance(payload, PendingTensor) else payload
+
+
+def check_placements(placements: list[str], attention: list[str]) -> None:
+    """Raise ValueError for a layout the store cannot serve."""
+    unknown = set(placements) - set(PLACEMENTS)
+    if unknown:
+        raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
+    if len(attention) != len(placements) or set(attention) - set(ATTENTION_PLACEMENTS):
+        raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
+                         f"({len(placements)}), got {attention}")
+    if any(p == "recompute" and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
+        raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu or host): not layer 0, "
+                         f"never above a 'recompute' or 'full' layer; got {placements}")
+    if any(p == "full" and a != "none" for p, a in zip(placements, attention)):
+        raise ValueError("a 'full' layer is never recomputed, so its attention placement must be 'none'; got "
+                         f"placements {placements}, attention {attention}")
+
+
+@dataclass(eq=False)
+class StoredInput:
+    placement: str
+    payload: Payload | None
+    replay: ReplayState
+    # "recompute": the token of the layer below's record, kept by the same forward, this input is rebuilt from.
+    below: object | None = None
+    # Identifies this forward's record to its backward. The autograd node holds only this token, never the
+    # record: a node outlives its backward (until the loss is freed) and would keep the payload alive.
+    token: object = field(default_factory=object)
+    # The layer's (out, lse) attention payloads, when its attention placement keeps them.
+    attention: list[tuple[Payload, Payload]] = field(default_factory=list)
+
+
+class LayerInputStore:
+    """Holds each layer's input (and, where placed, its attention outputs) from its forward to its backward,
+    and prefetches in the backward."""
+
+    def __init__(self, placements: list[str], engine: CopyEngine, attention: list[str] | None = None):
+        attention = attention or ["none"] * len(placements)
+        check_placements(placements, attention)
+        self.placements, self.attention, self.engine = placements, attention, engine
+        self.stored: dict[int, StoredInput] = {}
+
+    def keep(self, index: int, hidden: torch.Tensor) -> object:
+        """Keep layer `index`'s input (replacing what an earlier forward kept for it); returns the token its
+        backward gives `check_owner`."""
+        placement = self.placements[index]
+        payload = None                                   # "recompute": nothing kept
+        if placement == "gpu":
+            payload = hidden.detach()
+        elif placement == "host":
+            payload = self.engine.to_host(input_key(index), hidden.detach())
+        below = self.stored[index - 1].token if placement == "recompute" else None
+        record = StoredInput(placement, payload, ReplayState.capture(hidden.device), below)
+        self.stored[index] = record
+        return record.token
+
+    def check_owner(self, index: int, token: object) -> None:
+        """Refuse a backward whose kept input (or the one it is rebuilt from) is no longer its forward's: the
+        store holds one input per layer, so a second forward with grad replaces the first's, and a backward
+        releases them (silently wrong gradients otherwise)."""
+        record, below = self.stored.get(index), self.stored.get(index - 1)
+        if record is None or record.token is not token or (
+                record.below is not None and (below is None or below.token is not record.below)):
+            raise RuntimeError(
+                f"layer {index}'s kept input is gone: the memory policy keeps one forward's layer inputs, so each "
+                "forward with grad needs its own backward before the next forward with grad, and only one "
+                "backward (no retain_graph). Run backward after each forward (gradient accumulation), run the "
+                "other forwards under torch.no_grad(), or set memory.checkpoint=false.")
+
+    def replay_state(self, index: int) -> ReplayState:
+        return self.stored[index].replay
+
+    def source(self, index: int) -> int:
+        """The layer whose kept input the input of `index` is rebuilt from."""
+        return index - 1 if self.placements[index] == "recompute" else index
+
+    def take(self, index: int) -> torch.Tensor:
+        """The input of layer `index` on the device, waiting for its copy if one is in flight."""
+        record = self.stored[index]
+        record.payload = _on_device(record.payload, self.engine)
+        return record.payload
+
+    def keeps_attention(self, index: int) -> bool:
+        return self.attention[index] != "none"
+
+    def keep_attention(self, index: int, tape: AttentionTape) -> None:
+        """Keep what layer `index`'s forward recorded on `tape`, where its attention placement says."""
+        on_host = self.attention[index] == "host"
+        self.stored[index].attention = [
+            tuple(self.engine.to_host(attention_key(index, call, part), t) if on_host else t
+                  for part, t in enumerate(pair)) for call, pair in enumerate(tape.saved)]
+
+    def take_attention(self, index: int) -> AttentionTape | None:
+        """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""
+        record = self.stored[index]
+        if not record.attention:
+            return None
+        record.attention = [tuple(_on_device(p, self.engine) for p in pair) for pair in record.attention]
+        return AttentionTape(list(record.attention))
+
+    def prefetch_attention(self, index: int) -> None:
+        """Start copying back layer `index`'s kept attention outputs (its backward comes next)."""
+        record = self.stored.get(index)
+        if record is not None:
+            record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
+
+    def release(self, index: int) -> None:
+        """Layer `index`'s backward is done: its input is no longer needed."""
+        self.stored.pop(index, None)
+
+    def prefetch_below(self, index: int) -> None:
+        """Start copying back the next kept input below `index`, to overlap this layer's backward."""
+        below = [i for i in self.stored if i < index and self.stored[i].placement != "recompute"]
+        if below:
+            record = self.stored[max(below)]
+            record.payload = _started(record.payload, self.engine)
