@@ -144,6 +144,18 @@ def bench_rope_swiglu(skip_liger: bool) -> None:
         print(f"  | {op} | {' | '.join(cells)} |")
 
 
+def sweep_swiglu_configs() -> None:
+    """SwiGLU fwd+bwd time over columns per program and warps (picks the defaults)."""
+    gate, up = (torch.randn(32768, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "gu")
+    dy = torch.randn_like(gate)
+    print("\nswiglu sweep on [32768, 14336] bf16: block x num_warps -> fwd+bwd ms")
+    for block, num_warps in ((512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
+        ms = time_fwd_bwd(lambda g, u: swiglu(g, u, block=block, num_warps=num_warps), [gate, up], dy)
+        print(f"  block={block:<5} warps={num_warps:<3} {ms:.3f} ms")
+    del gate, up, dy
+    torch.cuda.empty_cache()
+
+
 def sweep_norm_configs() -> None:
     """RMSNorm fwd+bwd time over warps per row and backward programs per SM (picks the defaults)."""
     inputs, dy = norm_inputs(65536, 4096, False)
@@ -248,12 +260,15 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.only in (None, "norms"):
         bench_norms(args.skip_liger)
+        if args.sweep:
+            sweep_norm_configs()
     if args.only in (None, "rope_swiglu"):
         bench_rope_swiglu(args.skip_liger)
-    if args.sweep:
-        sweep_norm_configs()
-        sweep_cross_entropy_kernel()
+        if args.sweep:
+            sweep_swiglu_configs()
     if args.only in (None, "cross_entropy"):
+        if args.sweep:
+            sweep_cross_entropy_kernel()
         bench_linear_cross_entropy(args.skip_liger)
 
 

@@ -210,3 +210,15 @@ def test_model_with_fused_ops_through_the_memory_policy(monkeypatch):
     policy.remove()
     for out, ref in zip(measured, expected):
         assert relative_error(out, ref) < 1e-5
+
+
+def test_swiglu_launch_tuning_arguments_keep_the_results():
+    """block and num_warps (what scripts/bench_kernels.py --sweep varies) reach the launches: a block
+    smaller than a row splits it across programs, with the same values."""
+    torch.manual_seed(8)
+    gate, up = torch.randn(3, 70, requires_grad=True), torch.randn(3, 70, requires_grad=True)
+    y = swiglu(gate, up, block=16, num_warps=1)
+    grads = torch.autograd.grad(y.sum(), (gate, up))
+    y_ref = reference.swiglu(gate, up)
+    for out, ref in zip((y, *grads), (y_ref, *torch.autograd.grad(y_ref.sum(), (gate, up)))):
+        assert relative_error(out, ref) < 1e-6
