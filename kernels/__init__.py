@@ -1,5 +1,5 @@
-"""The ops the model calls (rms_norm, layer_norm, attention, linear_cross_entropy, adamw_update), each
-dispatched by `kernels.dispatch` to its Triton kernel (`kernels/<op>.py`, attention in
+"""The ops the model calls (rms_norm, layer_norm, rope, attention, swiglu, linear_cross_entropy,
+adamw_update), each dispatched by `kernels.dispatch` to its Triton kernel (`kernels/<op>.py`, attention in
 `kernels/flash_attention.py`) or to its plain PyTorch contract in `kernels.reference`.
 
 Importing a submodule binds its name on the package, so loading `kernels.rms_norm` (the Triton module)
@@ -16,7 +16,7 @@ import types
 
 from kernels import dispatch, reference
 from kernels.dispatch import (adamw_update, attention, attention_records, get_backend, layer_norm,
-                              linear_cross_entropy, rms_norm, set_backend)
+                              linear_cross_entropy, rms_norm, rope, set_backend, swiglu)
 
 
 class _Package(types.ModuleType):

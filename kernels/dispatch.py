@@ -25,6 +25,8 @@ TRITON_OPS = {
     "linear_cross_entropy": ("kernels.linear_cross_entropy", "linear_cross_entropy"),
     "attention": ("kernels.flash_attention", "flash_attention"),
     "adamw_update": ("kernels.adamw_update", "adamw_update"),
+    "rope": ("kernels.rope", "rope"),
+    "swiglu": ("kernels.swiglu", "swiglu"),
 }
 
 _backend = "auto"
@@ -78,6 +80,15 @@ def rms_norm(x, weight, eps):
 
 def layer_norm(x, weight, bias, eps):
     return _pick("layer_norm", x)(x, weight, bias, eps)
+
+
+def rope(q, k, cos, sin):
+    """(q, k) rotated by the per-token tables (reference.rope); the Triton op rotates q and k in place."""
+    return _pick("rope", q)(q, k, cos, sin)
+
+
+def swiglu(gate, up):
+    return _pick("swiglu", gate)(gate, up)
 
 
 def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):

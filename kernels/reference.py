@@ -28,6 +28,23 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.to(x.dtype)
 
 
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q [B, S, Hq, D] and k [B, S, Hkv, D] by per-token tables cos, sin
+    [B, S, 1, D] (`LlamaModel.rope`: packed documents' restarting positions and llama3 scaling are already
+    in them), in the rotate-half convention of transformers' Llama: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Returns new (q, k) in their own dtypes."""
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        first, second = x32.chunk(2, dim=-1)
+        return (x32 * cos.float() + torch.cat((-second, first), dim=-1) * sin.float()).to(x.dtype)
+    return rotate(q), rotate(k)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of Llama's MLP: silu(gate) * up, elementwise, in gate's dtype."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Map each of `total` token positions to the index of the document that holds it."""
     positions = torch.arange(total, device=cu_seqlens.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -24,16 +23,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, S, H, D] by per-position angles; cos/sin are [B, S, 1, D]."""
-    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -51,7 +40,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = kernels.rope(q, k, *rope)   # the Triton op rotates q and k in place
         out = kernels.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))
 
@@ -64,7 +53,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

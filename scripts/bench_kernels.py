@@ -1,9 +1,11 @@
-"""Benchmarks of the norm and linear-cross-entropy kernels against their peers on one CUDA GPU (results:
-docs/BENCHMARKS.md).
+"""Benchmarks of the norm, RoPE, SwiGLU and linear-cross-entropy kernels against their peers on one CUDA GPU
+(results: docs/BENCHMARKS.md).
 
-    python scripts/bench_kernels.py [--skip-liger] [--sweep]
+    python scripts/bench_kernels.py [--skip-liger] [--sweep] [--only norms|rope_swiglu|cross_entropy]
 
 Norms: forward+backward on [65536, 4096] bf16 against torch eager, torch.compile and Liger-Kernel.
+RoPE (q [1, 32768, 32, 128], k [1, 32768, 8, 128], Llama-3.1 tables) and SwiGLU ([32768, 14336]): forward+
+backward in bf16 against the PyTorch ops the model ran before them, torch.compile of those, and Liger.
 Linear cross-entropy: forward+backward at N=16384 and N=131072 (H=4096, V=128256, bf16) against Liger's
 fused linear cross-entropy (and plain matmul + F.cross_entropy where it fits), with time and the peak
 memory above the inputs, reported with and without the outputs (grad_hidden, grad_weight).
@@ -27,6 +29,10 @@ from kernels.layer_norm import layer_norm  # noqa: E402
 from kernels.linear_cross_entropy import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
                                           linear_cross_entropy, plan_chunks)
 from kernels.rms_norm import rms_norm  # noqa: E402
+from kernels.rope import rope  # noqa: E402
+from kernels.swiglu import swiglu  # noqa: E402
+from model.config import LlamaConfig  # noqa: E402
+from model.llama import LlamaModel  # noqa: E402
 from offload.units import GIB  # noqa: E402
 
 MATMUL_PEAK_TFLOPS = 795.0  # the issue's figure for a bf16 H100 matmul
@@ -76,6 +82,78 @@ def bench_norms(skip_liger: bool) -> None:
         print(f"  ours split: forward {forward_ms:.3f} ms, backward {backward_ms:.3f} ms")
         del inputs, dy, y
         torch.cuda.empty_cache()
+
+
+def time_fwd_bwd_pair(fn, inputs: list[torch.Tensor], grads: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """time_fwd_bwd for an op with two outputs (q and k)."""
+    return do_bench(lambda: torch.autograd.backward(fn(*inputs), grads), grad_to_none=inputs, warmup=50,
+                    rep=300, return_mode="median")
+
+
+def torch_rope(q, k, cos, sin):
+    """The PyTorch ops the model ran before kernels.rope (transformers' apply_rotary_pos_emb)."""
+    def rotate(x):
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-second, first), dim=-1) * sin
+    return rotate(q), rotate(k)
+
+
+def bench_rope_swiglu(skip_liger: bool) -> None:
+    tokens, q_heads, kv_heads, head_dim, intermediate = 32768, 32, 8, 128, 14336
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    cfg = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cos, sin = LlamaModel.rope(argparse.Namespace(cfg=cfg), torch.arange(tokens, device="cuda")[None], torch.bfloat16)
+    q = torch.randn(1, tokens, q_heads, head_dim, **bf16, requires_grad=True)
+    k = torch.randn(1, tokens, kv_heads, head_dim, **bf16, requires_grad=True)
+    grads = (torch.randn_like(q), torch.randn_like(k))
+    # fwd reads q, k and writes them rotated; bwd reads and writes their gradients (2 B each; tables aside).
+    rope_bytes = 4 * (q.numel() + k.numel()) * 2
+    results = {"rope": {"ours (Triton)": time_fwd_bwd_pair(lambda q, k: rope(q, k, cos, sin), [q, k], grads),
+                        "torch eager": time_fwd_bwd_pair(lambda q, k: torch_rope(q, k, cos, sin), [q, k], grads),
+                        "torch.compile": time_fwd_bwd_pair(torch.compile(lambda q, k: torch_rope(q, k, cos, sin)),
+                                                           [q, k], grads)}}
+    if not skip_liger:
+        from liger_kernel.ops.rope import LigerRopeFunction
+        # Liger takes [B, H, S, D] views of [B, S, H, D] memory (transformers' layout) and rotates in place.
+        liger_grads = tuple(g.transpose(1, 2) for g in grads)
+        results["rope"]["Liger"] = time_fwd_bwd_pair(
+            lambda q, k: LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin), [q, k],
+            liger_grads)
+    del q, k, grads
+    gate = torch.randn(tokens, intermediate, **bf16, requires_grad=True)
+    up = torch.randn(tokens, intermediate, **bf16, requires_grad=True)
+    dy = torch.randn_like(gate)
+    # fwd reads gate, up, writes y; bwd reads dy, gate, up, writes both gradients.
+    swiglu_bytes = 8 * gate.numel() * 2
+    eager = lambda g, u: F.silu(g) * u   # noqa: E731
+    results["swiglu"] = {"ours (Triton)": time_fwd_bwd(swiglu, [gate, up], dy),
+                         "torch eager": time_fwd_bwd(eager, [gate, up], dy),
+                         "torch.compile": time_fwd_bwd(torch.compile(eager), [gate, up], dy)}
+    if not skip_liger:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        results["swiglu"]["Liger"] = time_fwd_bwd(LigerSiLUMulFunction.apply, [gate, up], dy)
+    del gate, up, dy
+    torch.cuda.empty_cache()
+    print(f"\nRoPE q [1, {tokens}, {q_heads}, {head_dim}] + k [1, {tokens}, {kv_heads}, {head_dim}] and SwiGLU "
+          f"[{tokens}, {intermediate}], bf16, forward+backward ms (TB/s over the bytes each must move)")
+    peers = list(results["swiglu"])
+    print(f"  | op | {' | '.join(peers)} |\n  |---|{'---|' * len(peers)}")
+    for op, floor in (("rope", rope_bytes), ("swiglu", swiglu_bytes)):
+        cells = [f"{results[op][peer]:.3f} ({floor / results[op][peer] / 1e9:.2f})" for peer in peers]
+        print(f"  | {op} | {' | '.join(cells)} |")
+
+
+def sweep_swiglu_configs() -> None:
+    """SwiGLU fwd+bwd time over columns per program and warps (picks the defaults)."""
+    gate, up = (torch.randn(32768, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "gu")
+    dy = torch.randn_like(gate)
+    print("\nswiglu sweep on [32768, 14336] bf16: block x num_warps -> fwd+bwd ms")
+    for block, num_warps in ((512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
+        ms = time_fwd_bwd(lambda g, u: swiglu(g, u, block=block, num_warps=num_warps), [gate, up], dy)
+        print(f"  block={block:<5} warps={num_warps:<3} {ms:.3f} ms")
+    del gate, up, dy
+    torch.cuda.empty_cache()
 
 
 def sweep_norm_configs() -> None:
@@ -177,13 +255,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-liger", action="store_true", help="run without liger_kernel installed")
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' launch configurations")
+    parser.add_argument("--only", choices=("norms", "rope_swiglu", "cross_entropy"), help="run one section")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    bench_norms(args.skip_liger)
-    if args.sweep:
-        sweep_norm_configs()
-        sweep_cross_entropy_kernel()
-    bench_linear_cross_entropy(args.skip_liger)
+    if args.only in (None, "norms"):
+        bench_norms(args.skip_liger)
+        if args.sweep:
+            sweep_norm_configs()
+    if args.only in (None, "rope_swiglu"):
+        bench_rope_swiglu(args.skip_liger)
+        if args.sweep:
+            sweep_swiglu_configs()
+    if args.only in (None, "cross_entropy"):
+        if args.sweep:
+            sweep_cross_entropy_kernel()
+        bench_linear_cross_entropy(args.skip_liger)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import kernels  # noqa: E402
 
 # By module path: kernels/__init__.py binds some of these names to the ops (functions) instead.
-_row_norm, adamw_update, fa, layer_norm, linear_cross_entropy, rms_norm = (
+_row_norm, adamw_update, fa, layer_norm, linear_cross_entropy, rms_norm, rope, swiglu = (
     importlib.import_module(f"kernels.{name}") for name in
-    ("_row_norm", "adamw_update", "flash_attention", "layer_norm", "linear_cross_entropy", "rms_norm"))
+    ("_row_norm", "adamw_update", "flash_attention", "layer_norm", "linear_cross_entropy", "rms_norm", "rope",
+     "swiglu"))
 
 A100 = GPUTarget("cuda", 80, 32)
 # The attention kernels' tensors: bf16 except the fp32 row statistics and the int32 document bounds.
@@ -69,6 +70,9 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
         (linear_cross_entropy._cross_entropy_rows_kernel,
          {"BLOCK_V": linear_cross_entropy.BLOCK_V, "WRITE_GRAD": True}, {"num_warps": linear_cross_entropy.NUM_WARPS},
          {"targets_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32"}, {}),
+        (rope._rope_kernel, {"BLOCK_HEADS": 32, "BLOCK_HALF": 64, "TRANSPOSE": False}, {"num_warps": 4}, {}, {}),
+        (swiglu._swiglu_forward_kernel, {"BLOCK": swiglu.BLOCK}, {"num_warps": swiglu.NUM_WARPS}, {}, {}),
+        (swiglu._swiglu_backward_kernel, {"BLOCK": swiglu.BLOCK}, {"num_warps": swiglu.NUM_WARPS}, {}, {}),
         (adamw_update._adamw_kernel, {"BLOCK": adamw_update.BLOCK}, {}, {},
          dict.fromkeys(["grad_scale", "beta1", "beta2", "eps", "decay_factor", "step_size",
                         "bias_correction2_sqrt"], "fp32")),
