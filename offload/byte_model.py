@@ -28,7 +28,7 @@ from offload.units import GIB
 BACKWARD_ACTIVATIONS = 11.0
 # The loss phase: last hidden state (kept by the final norm), normed copy, its gradient.
 LOSS_ACTIVATIONS = 3.0
-# The fused linear-cross-entropy's temporaries (kernels.fused_linear_ce.DEFAULT_MEMORY_BUDGET + slack).
+# The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy.DEFAULT_MEMORY_BUDGET + slack).
 LCE_WORKSPACE = 2 * GIB
 # Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, act, product, grads).
 MLP_TILE_INTERMEDIATES = 6
@@ -150,8 +150,8 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     projections = [(("q_proj", "k_proj", "v_proj"), d, False), (("o_proj",), q, True)]
     if mlp_tiled:            # TokenTiled keeps the MLP's input only; its tiles run again in the backward
         per_token += act * d
-    else:                    # silu's input (gate), its output and up, kept by silu and the product
-        per_token += act * 3 * arch.intermediate_size
+    else:                    # gate and up, kept by the fused SwiGLU (kernels.swiglu recomputes silu)
+        per_token += act * 2 * arch.intermediate_size
         projections += [(("gate_proj", "up_proj"), d, False), (("down_proj",), arch.intermediate_size, False)]
     mask_bytes = 1 if device_type == "cuda" else act      # CUDA keeps a bool mask, the CPU a noise tensor
     per_token += sum(_projection_inputs(train_cfg, names, width, kept, act, mask_bytes)

@@ -38,6 +38,12 @@ class MemoryPlan:
     full_state: str | None = None
 
     @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the model's weights are built in, the one the bytes were counted for: bf16 for a frozen
+        LoRA base on the GPU and the bf16 state layouts, else fp32 (computing under bf16 autocast)."""
+        return torch.bfloat16 if self.shape.act_bytes == 2 else torch.float32
+
+    @property
     def gpu_peak(self) -> int:
         return sum(self.gpu.values())
 

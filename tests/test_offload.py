@@ -324,7 +324,6 @@ def test_policy_matches_plain_autograd_on_cuda(placements, attention):
 def test_lora_wraps_every_projection_and_freezes_the_base():
     from conf.schema import MemoryConfig
     from offload.plan import plan_memory
-    from trainer.build import weight_dtype
     model = lora_model()
     wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == set(LORA.lora_target_modules)
@@ -334,4 +333,7 @@ def test_lora_wraps_every_projection_and_freezes_the_base():
     cuda = torch.device("cuda")
     plan = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(gpu_memory_gib=80),
                        64, 1, cuda)
-    assert weight_dtype("lora", cuda, plan) == torch.bfloat16
+    assert plan.weights_dtype == torch.bfloat16
+    on_cpu = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(), 64, 1,
+                         torch.device("cpu"))
+    assert on_cpu.weights_dtype == torch.float32

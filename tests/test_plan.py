@@ -196,7 +196,7 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 
 
 @pytest.mark.parametrize("overrides, usable", [
-    (["memory.gpu=h200"], "GPU peak   93.80 GiB of 129.41 GiB usable"),
+    (["memory.gpu=h200"], "GPU peak  125.42 GiB of 129.41 GiB usable"),      # 7 full layers
     (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
 ])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):

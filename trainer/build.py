@@ -16,7 +16,6 @@ from model.lora import fuse_adapter_products
 from offload.plan import MemoryPlan, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
-from offload.state_layouts import weights_dtype
 from trainer.checkpoint_format import BASE_MODEL_DIR
 
 log = logging.getLogger(__name__)
@@ -28,14 +27,6 @@ ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 def architecture(model_cfg) -> LlamaConfig:
     values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
     return LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS})
-
-
-def weight_dtype(train_mode: str, device: torch.device, plan: MemoryPlan) -> torch.dtype:
-    """Frozen LoRA bases are stored in bf16 on GPU; fully trained weights take the dtype of the planned
-    state layout (fp32 computes under bf16 autocast; offload.state_layouts)."""
-    if plan.full_state is not None:
-        return weights_dtype(plan.full_state)
-    return torch.bfloat16 if device.type == "cuda" and train_mode == "lora" else torch.float32
 
 
 def model_architecture(cfg) -> LlamaConfig:
@@ -109,7 +100,7 @@ def checked_plan(cfg, device: torch.device) -> MemoryPlan:
 def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
     """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says."""
     log.info("%s", plan.describe())
-    dtype = weight_dtype(cfg.train.mode, device, plan)
+    dtype = plan.weights_dtype
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
