@@ -83,7 +83,7 @@ def layer_norm(x, weight, bias, eps):
 
 
 def rope(q, k, cos, sin):
-    """(q, k) rotated by the per-token tables (reference.rope); the Triton op rotates q and k in place."""
+    """New (q, k) rotated by the per-token tables (reference.rope), out of place on either backend."""
     return _pick("rope", q)(q, k, cos, sin)
 
 

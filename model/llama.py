@@ -40,7 +40,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
-        q, k = kernels.rope(q, k, *rope)   # the Triton op rotates q and k in place
+        q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope.py says why not in place)
         out = kernels.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))
 

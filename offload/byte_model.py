@@ -30,7 +30,8 @@ BACKWARD_ACTIVATIONS = 11.0
 LOSS_ACTIVATIONS = 3.0
 # The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy.DEFAULT_MEMORY_BUDGET + slack).
 LCE_WORKSPACE = 2 * GIB
-# Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, act, product, grads).
+# Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, the product, its gradient,
+# the gradients of gate and up).
 MLP_TILE_INTERMEDIATES = 6
 # CUDA context, cuBLAS workspaces and allocator rounding that max_memory_allocated does not see.
 GPU_RESERVE = 2 * GIB
@@ -135,7 +136,7 @@ def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict
 
 def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda") -> int:
     """Bytes autograd keeps from one "full" layer's forward to its backward, read off the ops (and pinned by
-    tests/test_plan.py to a measurement with saved-tensor hooks): the two norms' inputs (the layer input and
+    tests/test_byte_model.py to a measurement with saved-tensor hooks): the two norms' inputs (the layer input and
     the residual after attention) and fp32 rstds; the Triton attention's q, k, v after RoPE, output, fp32
     log-sum-exp and int32 document bounds (RoPE's products keep only the shared cos/sin tables); the inputs of
     the projections that train; each LoRA adapter's down-projection output [tokens, r] (and with dropout its

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conf.errors import ConfigError
 from offload.byte_model import Shape, pinned_size
 
 
@@ -121,6 +122,10 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: int,
         if wanted is None and (sum(trial[0].values()) > room or sum(trial[1].values()) > host_room):
             continue
         placements, attention, costs, chosen = trial_placements, trial_attention, trial, chosen + 1
+    if wanted is not None and chosen < wanted:
+        raise ConfigError(f"memory.full_layers={wanted}: {chosen} layers can be full here (a layer needs its "
+                          f"input kept, on the GPU or the host, and no recomputed input above it): set it to at "
+                          f"most {chosen}, or null to let the planner choose")
     return KeptLayers(placements, attention, *costs)
 
 

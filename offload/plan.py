@@ -132,7 +132,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         room = capacity.gpu_limit - sum(static.values()) - sum(transient.values())
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         kept = keep_layers(shape, memory_cfg, device, room, host_room)
-        kept = with_full_layers(kept, shape, full_layer_bytes(shape, train_cfg, tiles > 1), room, host_room,
+        kept = with_full_layers(kept, shape, full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type), room, host_room,
                                 _wanted_full_layers(memory_cfg, device))
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)

@@ -1,4 +1,5 @@
 """The memory planner: byte counts, policy choice for the H100 host, and failing before the model is built."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conf.schema import MemoryConfig
-from model import LlamaConfig
+from conf.errors import ConfigError
 from conf.schema.memory import MemoryConfig, check_memory
+from model import LlamaConfig
 from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
 from offload.engine import CopyEngine
 from offload.plan import plan_memory
@@ -78,7 +79,11 @@ def test_an_explicit_full_layer_count_is_obeyed_gpu_inputs_first_then_host_ones(
 
 def test_no_full_layer_below_a_recomputed_input():
     """A recomputed input is rebuilt from the layer below's kept input, which a full layer does not keep."""
-    chosen = plan(524288, MemoryConfig(full_layers=32))
+    with pytest.raises(ConfigError, match=r"memory.full_layers=32: \d+ layers can be full here") as error:
+        plan(524288, MemoryConfig(full_layers=32))          # more than can be: an error, not silently fewer
+    most = int(re.search(r"(\d+) layers can be full", str(error.value)).group(1))
+    assert 0 < most < 32
+    chosen = plan(524288, MemoryConfig(full_layers=most))
     placements = chosen.placements
     assert chosen.count("full") > 0 and not chosen.fits
     assert all(placements[i - 1] in ("gpu", "host") for i, p in enumerate(placements) if p == "recompute")
