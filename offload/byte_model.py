@@ -6,16 +6,17 @@ architecture and the config before any model exists.
   host = process baseline + pinned layer inputs and attention outputs
 
 A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_bytes`) holds everything its
-backward reads instead of its input and attention output. The transient is the larger of a decoder layer's
-backward (recomputed activations, their gradients, the next input's prefetch, attention statistics, one MLP
-tile's intermediates) and the loss (final hidden states, their gradient and the linear-cross-entropy's chunk
-budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
+backward reads instead of its input and attention output; without checkpointing every layer is one. The
+transient is the larger of a decoder layer's backward (recomputed activations, their gradients, the next
+input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final hidden states,
+their gradient and the linear-cross-entropy's chunk budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
 measured peaks on the H100 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host
 buffers at these sizes (`Shape`), so what the plan counts is what is allocated.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -77,21 +78,31 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
-def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
-    """(all parameters, trainable parameters) of the model as the trainer builds it."""
+def projection_shapes(arch: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each of a decoder layer's projections."""
     d, heads_dim, kv_dim = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
         arch.num_key_value_heads * arch.head_dim
-    shapes = {"q_proj": (d, heads_dim), "k_proj": (d, kv_dim), "v_proj": (d, kv_dim), "o_proj": (heads_dim, d),
-              "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
-              "down_proj": (arch.intermediate_size, d)}
+    return {"q_proj": (d, heads_dim), "k_proj": (d, kv_dim), "v_proj": (d, kv_dim), "o_proj": (heads_dim, d),
+            "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
+            "down_proj": (arch.intermediate_size, d)}
+
+
+def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
+    """(all parameters, trainable parameters) of the model as the trainer builds it."""
+    d, shapes = arch.hidden_size, projection_shapes(arch)
     per_layer = sum(i * o for i, o in shapes.values()) + 2 * d
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
     total = arch.num_hidden_layers * per_layer + embeddings + d
     if train_cfg.mode != "lora":
         return total, total
-    lora = arch.num_hidden_layers * sum(train_cfg.lora_r * (i + o) for name, (i, o) in shapes.items()
-                                        if name in train_cfg.lora_target_modules)
+    lora = arch.num_hidden_layers * _adapter_parameters(arch, train_cfg, shapes.keys())
     return total + lora, lora
+
+
+def _adapter_parameters(arch: LlamaConfig, train_cfg, names: Iterable[str]) -> int:
+    """LoRA parameters of one layer's adapters on the projections in `names`."""
+    shapes = projection_shapes(arch)
+    return sum(train_cfg.lora_r * sum(shapes[name]) for name in names if name in train_cfg.lora_target_modules)
 
 
 @dataclass
@@ -119,11 +130,19 @@ class Shape:
         return sum(map(pinned_size, self.attention_output))
 
 
-def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict[str, int]:
+def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool,
+                    device_type: str = "cuda") -> dict[str, int]:
+    """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
+    checkpointing (plain autograd) every layer is a full one and keeps its activations under it."""
+    transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles))
+    if checkpointing:
+        return transient
+    every_layer = shape.arch.num_hidden_layers * full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type)
+    return {"all layers' activations": every_layer, **transient}
+
+
+def _backward_or_loss(shape: Shape, tile_tokens: int) -> dict[str, int]:
     arch, a = shape.arch, shape.activation
-    if not checkpointing:   # plain autograd keeps every layer's activations
-        per_layer = (BACKWARD_ACTIVATIONS - 3 + 3 * arch.intermediate_size / arch.hidden_size) * a
-        return {"all layers' activations": int(arch.num_hidden_layers * per_layer)}
     attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
     backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile
@@ -136,13 +155,17 @@ def transient_bytes(shape: Shape, tile_tokens: int, checkpointing: bool) -> dict
 
 def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda") -> int:
     """Bytes autograd keeps from one "full" layer's forward to its backward, read off the ops (and pinned by
-    tests/test_byte_model.py to a measurement with saved-tensor hooks): the two norms' inputs (the layer input and
-    the residual after attention) and fp32 rstds; the Triton attention's q, k, v after RoPE, output, fp32
-    log-sum-exp and int32 document bounds (RoPE's products keep only the shared cos/sin tables); the inputs of
-    the projections that train; each LoRA adapter's down-projection output [tokens, r] (and with dropout its
+    tests/test_byte_model.py to a measurement with saved-tensor hooks, in fp32 and as the trainer runs LoRA on
+    a GPU: bf16 base, fp32 adapters, bf16 autocast): the two norms' inputs (the layer input and the residual
+    after attention) and fp32 rstds; the Triton attention's q, k, v after RoPE, output, fp32 log-sum-exp and
+    int32 document bounds (RoPE's products keep only the shared cos/sin tables); the inputs of the
+    projections that train; each LoRA adapter's down-projection output [tokens, r] (and with dropout its
     own dropped-out input and mask instead of the shared input); and the MLP's input, or untiled its
-    intermediates. Llama-3-8B LoRA (r=16, no dropout) keeps 6.5 [tokens, hidden] activations, 6.5 times a
-    checkpointed layer's kept input; a tiled MLP still recomputes its tiles in the backward."""
+    intermediates. Under autocast with bf16 activations, also autocast's bf16 copies of the fp32 adapter
+    weights that the adapter products keep (2 bytes per adapter parameter of the projections above: for
+    Llama-3-8B at r=16 0.8 MiB a layer with a tiled MLP, 2.5 MiB untiled; tiny but real). Llama-3-8B LoRA
+    (r=16, no dropout) keeps 6.5 [tokens, hidden] activations, 6.5 times a checkpointed layer's kept input;
+    a tiled MLP still recomputes its tiles in the backward."""
     arch, act = shape.arch, shape.act_bytes
     d, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
     q = arch.num_attention_heads * arch.head_dim
@@ -157,7 +180,17 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     mask_bytes = 1 if device_type == "cuda" else act      # CUDA keeps a bool mask, the CPU a noise tensor
     per_token += sum(_projection_inputs(train_cfg, names, width, kept, act, mask_bytes)
                      for names, width, kept in projections)
-    return shape.tokens * per_token
+    # the projections whose products this forward records (a tiled MLP's run again in the backward)
+    recorded = [name for names, _, _ in projections for name in names]
+    return shape.tokens * per_token + _adapter_weight_copies(shape, train_cfg, recorded)
+
+
+def _adapter_weight_copies(shape: Shape, train_cfg, names: list[str]) -> int:
+    """Adapters are fp32 (trainer.build.apply_lora); with narrower activations autocast casts each adapter
+    weight to their dtype for its product, and autograd keeps the copy for the input's gradient."""
+    if train_cfg.mode != "lora" or shape.act_bytes == 4:
+        return 0
+    return shape.act_bytes * _adapter_parameters(shape.arch, train_cfg, names)
 
 
 def _projection_inputs(train_cfg, names: tuple[str, ...], width: int, kept: bool, act: int, mask_bytes: int) -> int:

@@ -124,7 +124,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
-    transient = transient_bytes(shape, -(-shape.tokens // tiles), memory_cfg.checkpoint)
+    transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type)
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None

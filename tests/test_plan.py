@@ -68,6 +68,18 @@ def test_no_full_layer_where_the_gpu_has_no_room(seq_len, train):
         (without.placements, without.attention, without.gpu, without.host)
 
 
+@pytest.mark.parametrize("seq_len, fits", [(8192, True), (32768, False)])
+def test_without_checkpointing_every_layer_is_a_full_one(seq_len, fits):
+    """Plain autograd keeps every layer's activations, plus the step's transient; at 32k that is just over
+    the H100, where the planner's 31 full layers and one checkpointed layer fit."""
+    plain, checkpointed = plan(seq_len, MemoryConfig(checkpoint=False)), plan(seq_len)
+    assert plain.placements is None and plain.fits == fits
+    full = full_layer_bytes(plain.shape, LORA, mlp_tiled=plain.mlp_tiles > 1)
+    assert plain.gpu.pop("all layers' activations") == 32 * full
+    # the rest as checkpointed: weights, trainable state, rope tables and the same transient
+    assert plain.gpu == {name: checkpointed.gpu[name] for name in plain.gpu}
+
+
 def test_an_explicit_full_layer_count_is_obeyed_gpu_inputs_first_then_host_ones():
     three = plan(65536, MemoryConfig(full_layers=3))
     assert three.fits and three.placements == ["full"] * 3 + ["gpu"] * 29
@@ -201,7 +213,7 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 
 
 @pytest.mark.parametrize("overrides, usable", [
-    (["memory.gpu=h200"], "GPU peak  125.42 GiB of 129.41 GiB usable"),      # 7 full layers
+    (["memory.gpu=h200"], "GPU peak  125.43 GiB of 129.41 GiB usable"),      # 7 full layers
     (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
 ])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):

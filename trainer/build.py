@@ -109,10 +109,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
                     "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
-        model = apply_lora(model, cfg.train, lora_base_path(cfg))
-        fuse_adapter_products(model)
-        if dtype == torch.bfloat16:
-            keep_adapter_inputs_in_bf16(model)
+        model = lora_model(model, cfg.train, lora_base_path(cfg))
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
     return Built(model, plan, policy)
 
@@ -125,6 +122,17 @@ def lora_base_path(cfg) -> str | None:
     if cfg.checkpoint.save_random_base:
         return str(Path(cfg.output_dir).resolve() / BASE_MODEL_DIR)
     return None
+
+
+def lora_model(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:
+    """`model` with LoRA adapters as training runs them (offload.byte_model counts what this keeps): peft's
+    adapters (apply_lora) with the fused adapter forward, and over a bf16 base the adapter inputs left in bf16."""
+    base_dtype = next(model.parameters()).dtype
+    model = apply_lora(model, train_cfg, base_path)
+    fuse_adapter_products(model)
+    if base_dtype == torch.bfloat16:
+        keep_adapter_inputs_in_bf16(model)
+    return model
 
 
 def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:
