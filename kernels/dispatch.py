@@ -30,13 +30,15 @@ TRITON_OPS = {
 }
 
 _backend = "auto"
+_deterministic = False
 
 
-def set_backend(name: str) -> None:
-    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1."""
-    global _backend
+def set_backend(name: str, deterministic: bool = False) -> None:
+    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1. deterministic:
+    the Triton attention's backward adds no floating-point atomics (bit-identical runs, slower)."""
+    global _backend, _deterministic
     check_kernels_backend(name)
-    _backend = name
+    _backend, _deterministic = name, deterministic
 
 
 def get_backend() -> str:
@@ -95,10 +97,9 @@ def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
     # Under "triton" a shape the kernel lacks still goes to it, whose checks name the problem; "auto"
     # falls back to the reference (e.g. the tiny model's head dim 16 on a GPU).
     if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
-        op = _triton_op("attention")
-    else:
-        op = reference.attention
-    return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+        return _triton_op("attention")(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+                                       deterministic=_deterministic)
+    return reference.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

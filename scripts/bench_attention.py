@@ -2,7 +2,8 @@
 
 Causal, B=1, 32 query heads, 8 KV heads, D=128, bf16, side by side in one run with
 scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_ATTENTION, and
-torch.compile(flex_attention) with a causal block mask. TFLOP/s count causal FLOPs: forward 2*S^2*D per
+torch.compile(flex_attention) with a causal block mask; ours also with deterministic=True (dQ without
+atomics). TFLOP/s count causal FLOPs: forward 2*S^2*D per
 head, backward 2.5x that. Then the packed case: a pack of 16 documents of 4k tokens against 16 separate
 4k calls and against FlexAttention with a document-causal block mask.
 
@@ -107,6 +108,8 @@ def bench_causal(seqlen: int, peers: list[str], results):
     names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
     measure(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True), inputs,
             [seqlen], results)
+    measure(f"S={seqlen} ours deterministic=True", lambda q, k, v: fa.flash_attention(q, k, v, deterministic=True),
+            inputs, [seqlen], results)
     for peer in peers:
         measure(f"S={seqlen} {names[peer]}", runs[peer](), inputs, [seqlen], results)
     print("  tuned:", fa.tuned_configs(), flush=True)
