@@ -1,6 +1,7 @@
 """The ops the model calls (rms_norm, layer_norm, rope, attention, swiglu, linear_cross_entropy,
 adamw_update), each dispatched by `kernels.dispatch` to its Triton kernel (`kernels/<op>.py`, attention in
-`kernels/flash_attention.py`) or to its plain PyTorch contract in `kernels.reference`.
+`kernels/flash_attention.py`, or cuDNN's in `kernels/cudnn_attention.py`) or to its plain PyTorch
+contract in `kernels.reference`.
 
 Importing a submodule binds its name on the package, so loading `kernels.rms_norm` (the Triton module)
 would replace the package's `rms_norm` (the dispatching function). The Triton modules load lazily, on
@@ -15,7 +16,7 @@ import sys
 import types
 
 from kernels import dispatch, reference
-from kernels.dispatch import (adamw_update, attention, attention_records, get_backend, layer_norm,
+from kernels.dispatch import (adamw_update, attention, attention_kernels, attention_records, get_backend, layer_norm,
                               linear_cross_entropy, rms_norm, rope, set_backend, swiglu)
 
 

@@ -1,7 +1,8 @@
 """Which implementation each op the model calls runs: a Triton kernel or `kernels.reference`.
 
 Backends: "auto" (Triton where the tensor is on CUDA and a kernel exists for it, e.g. attention only for
-the head dims and dtypes `flash_attention.supports`, else the reference), "triton" (Triton or a clear
+the head dims and dtypes `flash_attention.supports`, else the reference; attention through cuDNN instead
+where the memory plan chose it, `attention_kernels`), "triton" (Triton or a clear
 error), "reference" (always the plain PyTorch ops). `TRITON_INTERPRET=1` lets "triton" run the kernels on
 CPU tensors through Triton's interpreter (tests do this).
 
@@ -29,16 +30,38 @@ TRITON_OPS = {
     "swiglu": ("kernels.swiglu", "swiglu"),
 }
 
+# The attention kernels a memory plan can be made for: "flash" is kernels.flash_attention (the reference
+# where it does not run), "cudnn" is kernels.cudnn_attention for the rows it takes, flash for the rest.
+ATTENTION_KERNELS = ("flash", "cudnn")
+
 _backend = "auto"
-_deterministic = False
+_attention_kernel = "flash"
 
 
-def set_backend(name: str, deterministic: bool = False) -> None:
-    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1. deterministic:
-    the Triton attention's backward adds no floating-point atomics (bit-identical runs, slower)."""
-    global _backend, _deterministic
+def set_backend(name: str, attention_kernel: str = "flash") -> None:
+    """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1.
+    attention_kernel: one of `attention_kernels(...)`, the one the memory plan was made for."""
+    global _backend, _attention_kernel
     check_kernels_backend(name)
-    _backend, _deterministic = name, deterministic
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel={attention_kernel!r} is not one of {ATTENTION_KERNELS}")
+    _backend, _attention_kernel = name, attention_kernel
+
+
+def attention_kernels(backend: str, deterministic: bool, device: torch.device,
+                      planned_gpu_is_hopper: bool | None = None) -> tuple[str, ...]:
+    """The attention kernels a job may run, fastest first, for the planner to try in turn: cuDNN's where
+    it is available under "auto" (its backward adds dQ with atomics: not with deterministic=true), then
+    ours. "triton" asks for our Triton kernels throughout. planned_gpu_is_hopper: planning for a GPU other
+    than this machine's (scripts/plan.py memory.gpu=...), answer for that one."""
+    from kernels import cudnn_attention
+    if planned_gpu_is_hopper is None:
+        cudnn_runs = cudnn_attention.available(device)
+    else:
+        cudnn_runs = device.type == "cuda" and planned_gpu_is_hopper
+    if backend == "auto" and not deterministic and cudnn_runs:
+        return ("cudnn", "flash")
+    return ("flash",)
 
 
 def get_backend() -> str:
@@ -70,8 +93,9 @@ def _triton_attention_runs(backend: str, device_type: str, head_dim: int, dtype:
 
 
 def attention_records(backend: str, device_type: str, head_dim: int) -> bool:
-    """Whether attention under `backend` on `device_type` records on an AttentionTape: only the Triton
-    attention does, so keeping attention outputs helps only where it runs. Asked before the model exists:
+    """Whether attention under `backend` on `device_type` records on an AttentionTape: the Triton attention
+    and cuDNN's (which runs only where the Triton one would, on CUDA under "auto") do, the reference does
+    not, so keeping attention outputs helps only where they run. Asked before the model exists:
     its activations are fp32, fp16 or bf16, each a dtype the kernel takes, so the head dim decides."""
     return _triton_attention_runs(backend, device_type, head_dim, None)
 
@@ -96,10 +120,17 @@ def swiglu(gate, up):
 def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
     # Under "triton" a shape the kernel lacks still goes to it, whose checks name the problem; "auto"
     # falls back to the reference (e.g. the tiny model's head dim 16 on a GPU).
+    if _attention_kernel == "cudnn" and q.is_cuda and _cudnn_attention().supports(q, k, cu_seqlens):
+        return _cudnn_attention().cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
-        return _triton_op("attention")(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
-                                       deterministic=_deterministic)
-    return reference.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+        op = _triton_op("attention")
+    else:
+        op = reference.attention
+    return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+
+
+def _cudnn_attention():
+    return importlib.import_module("kernels.cudnn_attention")
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

@@ -13,14 +13,10 @@ diagonal / document end. A pack of short documents so costs about what the docum
 Under a recording `kernels.attention_tape.AttentionTape` the forward also hands (out, lse) to the tape;
 under a replaying one it returns the taped output without running the forward kernel (checkpointing).
 
-Backward: a preprocess kernel for delta = rowsum(dO * O), then one kernel per key block that loops over the
-query heads of its group and their query tiles: five matrix products per tile (S = K Q^T, dV += P^T dO,
-dP = V dO^T, dK += dS Q, and dQ = dS^T K added into an fp32 accumulator with atomics: a TMA reduce-add on
-Hopper). dK/dV are summed in registers (no atomics). Atomics add in no fixed order, so dQ may differ in the
-last bits run to run; `deterministic=True` instead computes dQ in a second kernel per query block that
-recomputes S and dP (seven products per tile, bit-identical runs). The fp32 accumulator holds the query
-heads of a few KV heads at a time (`dq_accumulator_bytes`). Tiles are moved with tensor descriptors (TMA on
-Hopper), which also zero-fill the rows past the end of the sequence.
+Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key block that loops over
+the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
+per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
+past the end of the sequence.
 
 Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
 rewrite-tensor-descriptor-to-pointer pass turns each descriptor load/store into masked pointer loads/stores,
@@ -271,31 +267,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
     dq_desc.store([m_start, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
-# How the backward computes dQ (the DQ_MODE constexpr of the dK/dV kernel).
-DQ_SEPARATE = tl.constexpr(0)      # a second kernel per query block recomputes the scores: deterministic
-DQ_ATOMIC = tl.constexpr(1)        # fused, element-wise fp32 atomics (the interpreter, which lacks TMA reduce)
-DQ_TMA_ATOMIC = tl.constexpr(2)    # fused, one TMA reduce-add per tile (Hopper; pointer atomics on sm_80)
-
-
 @triton.jit
-def _add_dq(dq_part, dq_head, start, offs_m, seqlen, stride_dqs, HEAD_DIM: tl.constexpr, DQ_MODE: tl.constexpr):
-    """Add one query tile's share of dQ into the fp32 accumulator of its head (dq_head: a descriptor under
-    DQ_TMA_ATOMIC, else a pointer). Atomic: every key block of the head adds into the same rows."""
-    if DQ_MODE == DQ_TMA_ATOMIC:
-        dq_head.atomic_add([start, 0], dq_part)
-    else:
-        rows = offs_m.to(tl.int64)[:, None]
-        tl.atomic_add(dq_head + rows * stride_dqs + tl.arange(0, HEAD_DIM)[None, :], dq_part,
-                      mask=(offs_m < seqlen)[:, None], sem="relaxed")
-
-
-@triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_head, stride_dqs, LSE_ROW, DELTA_ROW, m_start, m_tiles, offs_n,
-                key_doc_lo, key_doc_hi, seqlen, sm_scale, qk_scale_log2, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, MASKED: tl.constexpr,
-                DQ_MODE: tl.constexpr):
-    """Accumulate dk, dv of one key block over m_tiles query tiles from m_start (transposed scores); unless
-    DQ_MODE is DQ_SEPARATE, also add each tile's dq = dS K (the fifth product) into dq_head."""
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_tiles, offs_n, key_doc_lo,
+                key_doc_hi, seqlen, qk_scale_log2, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_DOCS: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dk, dv of one key block over m_tiles query tiles from m_start (transposed scores)."""
     for tile in range(m_tiles):
         start = m_start + tile * BLOCK_M
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -309,29 +285,22 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_head, stride_dqs, LSE_ROW, DEL
         do = do_desc.load([start, 0])
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         delta = tl.load(DELTA_ROW + offs_m, mask=offs_m < seqlen, other=0.0)
-        # The softmax scale goes into dS once, for both products that read it.
-        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :]) * sm_scale).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk)
-        if DQ_MODE != DQ_SEPARATE:
-            _add_dq(tl.dot(tl.trans(ds_t), k), dq_head, start, offs_m, seqlen, stride_dqs, HEAD_DIM, DQ_MODE)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                           seqlen, sm_scale, qk_scale_log2, seq_bucket, stride_dkb, stride_dks, stride_dkh,
-                          stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, kv_head_offset, q_heads,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-                          DQ_MODE: tl.constexpr):
-    """dK and dV of one key block of KV head kv_head_offset + program_id(1), and unless DQ_MODE is
-    DQ_SEPARATE the dQ shares of its query heads, added into DQ_ACC: fp32 [B, S, this launch's query heads,
-    HEAD_DIM], whose first head is query head kv_head_offset * GROUP."""
+                          stride_dvb, stride_dvs, stride_dvh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N  # causal: early key blocks do the most work and go first
-    kv_head = kv_head_offset + tl.program_id(1)
+    kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
+    q_heads = tl.num_programs(1) * GROUP
     k_desc = _head_desc(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM)
     v_desc = _head_desc(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM)
     dk_desc = _head_desc(DK + batch * stride_dkb + kv_head * stride_dkh, seqlen, stride_dks, BLOCK_N, HEAD_DIM)
@@ -356,23 +325,20 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DO
     for head in range(kv_head * GROUP, kv_head * GROUP + GROUP):
         q_desc = _head_desc(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM)
         do_desc = _head_desc(DO + batch * stride_dob + head * stride_doh, seqlen, stride_dos, BLOCK_M, HEAD_DIM)
-        dq_head = DQ_ACC + batch * stride_dqb + (head - kv_head_offset * GROUP) * HEAD_DIM
-        if DQ_MODE == DQ_TMA_ATOMIC:   # built once per head: a device-built descriptor costs a global write
-            dq_head = _head_desc(dq_head, seqlen, stride_dqs, BLOCK_M, HEAD_DIM)
         row_stats = (batch * q_heads + head) * seqlen
         m_start = lo
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_head, stride_dqs, LSE + row_stats,
-                             DELTA + row_stats, m_start, head_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen,
-                             sm_scale, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, HAS_DOCS, True, DQ_MODE)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             head_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, True)
         m_start += head_tiles * BLOCK_M
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_head, stride_dqs, LSE + row_stats,
-                             DELTA + row_stats, m_start, mid_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen,
-                             sm_scale, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, HAS_DOCS, False, DQ_MODE)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             mid_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, False)
         m_start += mid_tiles * BLOCK_M
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, dq_head, stride_dqs, LSE + row_stats,
-                             DELTA + row_stats, m_start, tail_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen,
-                             sm_scale, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, HAS_DOCS, True, DQ_MODE)
-    dk_desc.store([n_start, 0], dk.to(DK.dtype.element_ty))
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE + row_stats, DELTA + row_stats, m_start,
+                             tail_tiles, offs_n, key_doc_lo, key_doc_hi, seqlen, qk_scale_log2, BLOCK_M, CAUSAL,
+                             HAS_DOCS, True)
+    dk_desc.store([n_start, 0], (dk * sm_scale).to(DK.dtype.element_ty))
     dv_desc.store([n_start, 0], dv.to(DV.dtype.element_ty))
 
 
@@ -401,9 +367,7 @@ _TUNE_KEY = ["seq_bucket", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_DOCS"]
 _TUNED = {
     "fwd": tuning_cache.autotune(_FWD_CONFIGS, _TUNE_KEY)(_attn_fwd_kernel),
     "dq": tuning_cache.autotune(_DQ_CONFIGS, _TUNE_KEY)(_attn_bwd_dq_kernel),
-    # Tuning runs the fused kernel repeatedly: its dQ accumulator starts from zero each time.
-    "dkdv": tuning_cache.autotune(_DKDV_CONFIGS, _TUNE_KEY + ["DQ_MODE"], reset_to_zero=["DQ_ACC"])(
-        _attn_bwd_dkdv_kernel),
+    "dkdv": tuning_cache.autotune(_DKDV_CONFIGS, _TUNE_KEY)(_attn_bwd_dkdv_kernel),
 }
 _PLAIN = {"fwd": _attn_fwd_kernel, "dq": _attn_bwd_dq_kernel, "dkdv": _attn_bwd_dkdv_kernel}
 
@@ -449,8 +413,7 @@ def _needs_prefix_tuning(seqlen: int, key: tuple) -> bool:
     return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not triton_interpreting()
 
 
-def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, deterministic: bool,
-                    key: tuple) -> None:
+def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, key: tuple) -> None:
     """Run the forward and backward once on the first TUNE_MAX_SEQLEN tokens, so the autotuner picks the
     configs of this key there (seconds) and the long call reuses them. The backward is tuned here too,
     where memory is low, rather than in the first backward, where a long sequence's step peaks."""
@@ -458,7 +421,7 @@ def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, 
     bounds = (doc_start[:n], doc_end[:n].clamp(max=n)) if doc_start is not None else (None, None)
     q, k, v = q[:, :n], k[:, :n], v[:, :n]
     out, lse = _attention_forward(q, k, v, *bounds, causal, sm_scale)
-    _attention_backward(out, q, k, v, out, lse, *bounds, causal, sm_scale, deterministic)   # any dO: out
+    _attention_backward(out, q, k, v, out, lse, *bounds, causal, sm_scale)   # any dO will do: out
     _tuned_on_prefix.add(key)
 
 
@@ -525,30 +488,7 @@ def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: floa
     return out, lse
 
 
-# The fused backward's fp32 dQ accumulator covers the query heads of a few KV heads per launch: enough
-# key-block programs (of 128 keys) to fill the GPU, without an fp32 copy of all of dQ (2 GiB at 131k tokens).
-DQ_LAUNCH_PROGRAMS = 1024
-DQ_BLOCK_N = 128
-
-
-def kv_heads_per_launch(seqlen: int, kv_heads: int) -> int:
-    """KV heads whose dQ one launch of the fused backward accumulates."""
-    return min(kv_heads, max(1, -(-DQ_LAUNCH_PROGRAMS // -(-seqlen // DQ_BLOCK_N))))
-
-
-def dq_accumulator_bytes(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """GPU memory of the fused backward's fp32 dQ accumulator (the planner counts it)."""
-    return tokens * q_heads // kv_heads * kv_heads_per_launch(tokens, kv_heads) * head_dim * 4
-
-
-def _dq_mode(deterministic: bool) -> int:
-    if deterministic:
-        return DQ_SEPARATE.value
-    return DQ_ATOMIC.value if triton_interpreting() else DQ_TMA_ATOMIC.value
-
-
-def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool, sm_scale: float,
-                        deterministic: bool = False):
+def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool, sm_scale: float):
     batch, seqlen, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
@@ -563,32 +503,19 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
         # can describe: the only copy this op makes, and only for such layouts.
         do = do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dq_mode = _dq_mode(deterministic)
     common = dict(GROUP=group, HEAD_DIM=head_dim, CAUSAL=causal, HAS_DOCS=has_docs, **_launch_options())
     args = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), seqlen, sm_scale, sm_scale * LOG2E,
             _seq_bucket(seqlen))
-    kv_per_launch = kv_heads if dq_mode == DQ_SEPARATE.value else kv_heads_per_launch(seqlen, kv_heads)
-    dq_acc = dk if dq_mode == DQ_SEPARATE.value else \
-        torch.empty(batch, seqlen, group * kv_per_launch, head_dim, device=q.device, dtype=torch.float32)
-    for first_kv in range(0, kv_heads, kv_per_launch):
-        launch_kv = min(kv_per_launch, kv_heads - first_kv)
-        if dq_mode != DQ_SEPARATE.value:
-            dq_acc.zero_()
-        _kernel("dkdv")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), launch_kv, batch)](
-            q, k, v, do, dk, dv, dq_acc, lse, delta, doc_start, doc_end, *args, *_strides3(dk), *_strides3(dv),
-            dq_acc.stride(0), dq_acc.stride(1), first_kv, q_heads, DQ_MODE=dq_mode, **common)
-        if dq_mode != DQ_SEPARATE.value:
-            heads = slice(first_kv * group, (first_kv + launch_kv) * group)
-            dq[:, :, heads].copy_(dq_acc[:, :, : launch_kv * group])
-    if dq_mode == DQ_SEPARATE.value:
-        _kernel("dq")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch)](
-            q, k, v, do, dq, lse, delta, doc_start, doc_end, *args, *_strides3(dq), **common)
+    _kernel("dq")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_M"]), q_heads, batch)](
+        q, k, v, do, dq, lse, delta, doc_start, doc_end, *args, *_strides3(dq), **common)
+    _kernel("dkdv")[lambda meta: (triton.cdiv(seqlen, meta["BLOCK_N"]), kv_heads, batch)](
+        q, k, v, do, dk, dv, lse, delta, doc_start, doc_end, *args, *_strides3(dk), *_strides3(dv), **common)
     return dq, dk, dv
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, cu_seqlens, softmax_scale, deterministic: bool):
+    def forward(ctx, q, k, v, causal: bool, cu_seqlens, softmax_scale):
         _check_inputs(q, k, v)
         batch, seqlen = q.shape[:2]
         sm_scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
@@ -598,9 +525,9 @@ class FlashAttentionFunction(torch.autograd.Function):
             check_cu_seqlens(cu_seqlens, batch, seqlen)
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
             doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
-        tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None, deterministic)
+        tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None)
         if _needs_prefix_tuning(q.shape[1], tuning_key):
-            _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, deterministic, tuning_key)
+            _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, tuning_key)
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
         if saved is None:
             out, lse = _attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale)
@@ -608,7 +535,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         else:
             out, lse = saved
         ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)
-        ctx.causal, ctx.sm_scale, ctx.batch_shape, ctx.deterministic = causal, sm_scale, (batch, seqlen), deterministic
+        ctx.causal, ctx.sm_scale, ctx.batch_shape = causal, sm_scale, (batch, seqlen)
         return out.view(batch, seqlen, *out.shape[2:])
 
     @staticmethod
@@ -618,11 +545,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         _ensure_allocator(q.device)
         # Packed documents fold the batch; reshape is a view for any gradient the model produces.
         grad_out = grad_out.reshape(out.shape)
-        dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale,
-                                         ctx.deterministic)
+        dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale)
         batch, seqlen = ctx.batch_shape
         return (dq.view(batch, seqlen, *dq.shape[2:]), dk.view(batch, seqlen, *dk.shape[2:]),
-                dv.view(batch, seqlen, *dv.shape[2:]), None, None, None, None)
+                dv.view(batch, seqlen, *dv.shape[2:]), None, None, None)
 
 
 def supports(head_dim: int, dtype: torch.dtype | None) -> bool:
@@ -632,8 +558,6 @@ def supports(head_dim: int, dtype: torch.dtype | None) -> bool:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None,
-                    deterministic: bool = False) -> torch.Tensor:
-    """Attention with the signature and layout of `kernels.reference.attention`; see the module doc.
-    deterministic: a backward without atomics, bit-identical run to run (slower)."""
-    return FlashAttentionFunction.apply(q, k, v, causal, cu_seqlens, softmax_scale, deterministic)
+                    cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
+    """Attention with the signature and layout of `kernels.reference.attention`; see the module doc."""
+    return FlashAttentionFunction.apply(q, k, v, causal, cu_seqlens, softmax_scale)

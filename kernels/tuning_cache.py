@@ -105,8 +105,8 @@ def store_choice(directory: Path, identity: dict, config) -> None:
 class CachedAutotuner(Autotuner):
     """`triton.autotune` whose choices persist in `cache_dir()` (see the module doc)."""
 
-    def __init__(self, fn, configs, key, reset_to_zero=None):
-        super().__init__(fn, fn.arg_names, configs, key, reset_to_zero=reset_to_zero, restore_value=None,
+    def __init__(self, fn, configs, key):
+        super().__init__(fn, fn.arg_names, configs, key, reset_to_zero=None, restore_value=None,
                          cache_results=True)   # turns on the check_disk_cache hook (never under the interpreter)
 
     def check_disk_cache(self, tuning_key, configs, bench_fn) -> bool:
@@ -125,6 +125,6 @@ class CachedAutotuner(Autotuner):
         return False
 
 
-def autotune(configs, key, reset_to_zero=None):
-    """Decorator like `triton.autotune(configs, key, reset_to_zero)`, with choices kept on disk."""
-    return lambda fn: CachedAutotuner(fn, configs, key, reset_to_zero)
+def autotune(configs, key):
+    """Decorator like `triton.autotune(configs, key)`, with choices kept on disk."""
+    return lambda fn: CachedAutotuner(fn, configs, key)

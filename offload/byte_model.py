@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cudnn_attention
 from model.config import LlamaConfig
 from offload.units import GIB
 
@@ -131,25 +132,29 @@ class Shape:
 
 
 def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool,
-                    device_type: str = "cuda") -> dict[str, int]:
+                    device_type: str = "cuda", attention_kernel: str = "flash") -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
     checkpointing (plain autograd) every layer is a full one and keeps its activations under it."""
-    transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles))
+    transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles), attention_kernel)
     if checkpointing:
         return transient
     every_layer = shape.arch.num_hidden_layers * full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type)
     return {"all layers' activations": every_layer, **transient}
 
 
-def _backward_or_loss(shape: Shape, tile_tokens: int) -> dict[str, int]:
+def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> dict[str, int]:
     arch, a = shape.arch, shape.activation
     attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
+    if attention_kernel == "cudnn":        # cuDNN's backward workspace, beside the statistics it keeps
+        attention_stats += cudnn_attention.backward_workspace_bytes(shape.tokens, arch.num_attention_heads,
+                                                                     arch.head_dim)
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
     backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile
     loss = int(LOSS_ACTIVATIONS * a) + LCE_WORKSPACE + shape.tokens * 8
     if backward >= loss:
         return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
-                "attention statistics": attention_stats, "MLP tile": mlp_tile}
+                "attention stats+workspace" if attention_kernel == "cudnn" else "attention statistics": attention_stats,
+                "MLP tile": mlp_tile}
     return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}
 
 

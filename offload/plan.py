@@ -36,6 +36,8 @@ class MemoryPlan:
     advice: list[str] = field(default_factory=list)
     # train=full: where weights, gradients and AdamW state live (offload.state_layouts).
     full_state: str | None = None
+    # The attention kernel the bytes were counted for (kernels.dispatch.ATTENTION_KERNELS).
+    attention_kernel: str = "flash"
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -76,7 +78,8 @@ class MemoryPlan:
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, {full}"
                  f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
-                 f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")]
+                 f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")
+                 + f", attention kernel {self.attention_kernel}"]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")
@@ -97,13 +100,19 @@ def _mlp_tiles(tokens: int, memory_cfg) -> int:
 
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
-                device: torch.device, capacity: Capacity | None = None, with_advice: bool = True) -> MemoryPlan:
-    """The policy for this config on this machine (or `capacity`), with its predicted peaks. Full
-    fine-tuning takes the first state layout of train.full_state that fits (offload.state_layouts)."""
+                device: torch.device, capacity: Capacity | None = None, with_advice: bool = True,
+                attention_kernels: tuple[str, ...] = ("flash",)) -> MemoryPlan:
+    """The policy for this config on this machine (or `capacity`), with its predicted peaks. The first
+    attention kernel of `attention_kernels` (fastest first: kernels.attention_kernels) that fits, and for full
+    fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts)."""
     capacity = capacity or Capacity.detect(device, memory_cfg)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
-    for layout in layouts:
-        plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout)
+    for attention_kernel in attention_kernels:
+        for layout in layouts:
+            plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout,
+                                attention_kernel)
+            if plan.fits:
+                break
         if plan.fits:
             break
     if with_advice and not plan.fits:
@@ -112,7 +121,7 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
 
 
 def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
-                 full_state: str | None) -> MemoryPlan:
+                 full_state: str | None, attention_kernel: str) -> MemoryPlan:
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
@@ -124,7 +133,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
-    transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type)
+    transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
+                                attention_kernel)
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
@@ -138,7 +148,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         gpu.update(kept.gpu)
         host.update(kept.host)
     gpu.update(transient)
-    return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state)
+    return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
+                      attention_kernel=attention_kernel)
 
 
 def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:

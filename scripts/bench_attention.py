@@ -2,8 +2,8 @@
 
 Causal, B=1, 32 query heads, 8 KV heads, D=128, bf16, side by side in one run with
 scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_ATTENTION, and
-torch.compile(flex_attention) with a causal block mask; ours also with deterministic=True (dQ without
-atomics). TFLOP/s count causal FLOPs: forward 2*S^2*D per
+torch.compile(flex_attention) with a causal block mask; and kernels.cudnn_attention (the aten cuDNN ops
+with the attention tape, which kernels=auto runs on Hopper). TFLOP/s count causal FLOPs: forward 2*S^2*D per
 head, backward 2.5x that. Then the packed case: a pack of 16 documents of 4k tokens against 16 separate
 4k calls and against FlexAttention with a document-causal block mask.
 
@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import cudnn_attention  # noqa: E402
 from kernels import flash_attention as fa  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -108,8 +109,9 @@ def bench_causal(seqlen: int, peers: list[str], results):
     names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
     measure(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True), inputs,
             [seqlen], results)
-    measure(f"S={seqlen} ours deterministic=True", lambda q, k, v: fa.flash_attention(q, k, v, deterministic=True),
-            inputs, [seqlen], results)
+    if cudnn_attention.available(inputs[0].device):   # what kernels=auto runs on this GPU
+        measure(f"S={seqlen} cudnn_attention (auto)", lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v),
+                inputs, [seqlen], results)
     for peer in peers:
         measure(f"S={seqlen} {names[peer]}", runs[peer](), inputs, [seqlen], results)
     print("  tuned:", fa.tuned_configs(), flush=True)

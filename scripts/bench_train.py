@@ -61,7 +61,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
         cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
     validate(cfg)
-    kernels.set_backend(cfg.kernels, cfg.deterministic)
+    kernels.set_backend(cfg.kernels)
     device = torch.device("cuda")
     built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan
@@ -83,6 +83,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
                      "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
+                     "attention_kernel": plan.attention_kernel,
                      "host_peak_gib": plan.host_peak / GIB}}
     return lm.config, step, built.policy.stats, info
 

@@ -38,15 +38,15 @@ _row_norm, adamw_update, fa, layer_norm, linear_cross_entropy, rms_norm, rope, s
 
 A100 = GPUTarget("cuda", 80, 32)
 # The attention kernels' tensors: bf16 except the fp32 row statistics and the int32 document bounds.
-ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32"}
+ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32"}
 ATTENTION_SCALARS = {"qk_scale_log2": "fp32", "sm_scale": "fp32"}
 ATTENTION_SHAPE = {"GROUP": 4, "HEAD_DIM": 128, "CAUSAL": True}   # Llama-3 8B
 NORM_BLOCK, NORM_WARPS = _row_norm.row_config(4096, None)
 
 
-def _attention(fn, configs, all_configs: bool, **constexprs):
+def _attention(fn, configs, all_configs: bool):
     """Each candidate config (or the first) without documents; with --all-configs also with documents."""
-    return [(fn, {**ATTENTION_SHAPE, "HAS_DOCS": has_docs, **constexprs, **config.kwargs},
+    return [(fn, {**ATTENTION_SHAPE, "HAS_DOCS": has_docs, **config.kwargs},
              dict(num_warps=config.num_warps, num_stages=config.num_stages), ATTENTION_POINTERS, ATTENTION_SCALARS)
             for config in (configs if all_configs else configs[:1])
             for has_docs in ((False, True) if all_configs else (False,))]
@@ -60,9 +60,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
     return [
         *_attention(fa._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
         *_attention(fa._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
-        # the fused backward (dQ by TMA reduce-add, which sm_80 lowers to atomics) and the deterministic one
-        *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs, DQ_MODE=fa.DQ_TMA_ATOMIC.value),
-        *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs, DQ_MODE=fa.DQ_SEPARATE.value),
+        *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
         (fa._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
         (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
          {"eps": "fp32"}),
@@ -110,7 +108,7 @@ def compile_for_a100(all_configs: bool, index: int) -> dict:
         else:
             signature[name] = scalars.get(name, "i32")
     result = {"kernel": f"{fn.__module__}.{fn.__name__}",
-              "variant": {k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HAS_DOCS", "DQ"))} | options}
+              "variant": {k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HAS_DOCS"))} | options}
     start = time.time()
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=A100, options=options)

@@ -83,3 +83,22 @@ def test_auto_falls_back_to_the_reference_for_shapes_the_kernel_lacks(monkeypatc
     ("auto", "cuda", 16, False), ("triton", "cpu", 64, True), ("triton", "cuda", 16, False)])
 def test_only_the_triton_attention_records_on_a_tape(backend, device_type, head_dim, records):
     assert kernels.attention_records(backend, device_type, head_dim) == records
+
+
+@pytest.mark.parametrize("backend, deterministic, hopper, expected", [
+    ("auto", False, True, ("cudnn", "flash")),
+    ("auto", True, True, ("flash",)),          # cuDNN's backward adds dQ with atomics
+    ("triton", False, True, ("flash",)),       # our Triton kernels throughout
+    ("auto", False, False, ("flash",)),        # an A100: ours
+])
+def test_attention_kernels_offered_to_the_planner(backend, deterministic, hopper, expected):
+    assert kernels.attention_kernels(backend, deterministic, torch.device("cuda"), hopper) == expected
+    assert kernels.attention_kernels(backend, deterministic, torch.device("cpu"), hopper) == ("flash",)
+
+
+def test_a_cudnn_plan_still_runs_the_reference_on_cpu_tensors_and_rejects_unknown_kernels():
+    kernels.set_backend("auto", "cudnn")
+    q, k, v = (torch.randn(1, 6, 2, 16) for _ in range(3))
+    torch.testing.assert_close(kernels.attention(q, k, v), kernels.reference.attention(q, k, v))
+    with pytest.raises(ValueError, match="attention_kernel='sdpa' is not one of"):
+        kernels.set_backend("auto", "sdpa")

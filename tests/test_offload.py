@@ -304,8 +304,12 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
     (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"]),
     (["full", "host", "recompute", "full"], ["none", "host", "none", "none"]),
 ], ids=["checkpointed", "with-full-layers"])
-def test_policy_matches_plain_autograd_on_cuda(placements, attention):
-    kernels.set_backend("auto")
+@pytest.mark.parametrize("attention_kernel", ["flash", "cudnn"])
+def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_kernel):
+    from kernels import cudnn_attention
+    if attention_kernel == "cudnn" and not cudnn_attention.available(torch.device("cuda")):
+        pytest.skip("cuDNN attention is offered on Hopper GPUs only")
+    kernels.set_backend("auto", attention_kernel)
     # head_dim 64: a size the Triton attention supports
     model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
     input_ids, labels = batch(seqlen=512, device="cuda")

@@ -213,12 +213,37 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 
 
 @pytest.mark.parametrize("overrides, usable", [
-    (["memory.gpu=h200"], "GPU peak  125.43 GiB of 129.41 GiB usable"),      # 7 full layers
+    (["memory.gpu=h200"], "GPU peak  124.91 GiB of 129.41 GiB usable"),      # 6 full layers, cuDNN attention
     (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
 ])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):
     result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
     assert result.returncode == 0 and usable in result.stdout, result.stdout + result.stderr
+    assert f"attention kernel {'cudnn' if 'memory.gpu=h200' in overrides else 'flash'}" in result.stdout
+
+
+def test_cudnn_attention_is_planned_with_its_backward_workspace():
+    """cuDNN's attention comes first where offered; its backward workspace (two fp32 copies of dQ) is in
+    the transient, so the plan keeps less on the GPU than the flash plan of the same job."""
+    from kernels import cudnn_attention
+    cudnn = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 131072, 1, CUDA, H100_HOST,
+                        attention_kernels=("cudnn", "flash"))
+    flash = plan(131072)
+    assert cudnn.fits and cudnn.attention_kernel == "cudnn" and flash.attention_kernel == "flash"
+    workspace = cudnn_attention.backward_workspace_bytes(131072, 32, 128)
+    assert workspace == 4 * GIB
+    assert cudnn.gpu["attention stats+workspace"] == flash.gpu["attention statistics"] + workspace
+    assert cudnn.kept_attention("gpu") < flash.kept_attention("gpu")
+    assert "attention kernel cudnn" in cudnn.describe()
+
+
+def test_the_planner_falls_back_to_flash_attention_where_cudnn_does_not_fit():
+    """At 524k tokens cuDNN's 16 GiB workspace does not fit an H100 with the rest: the flash plan does."""
+    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST,
+                         attention_kernels=("cudnn", "flash"))
+    assert chosen.fits and chosen.attention_kernel == "flash"
+    assert not plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST,
+                           attention_kernels=("cudnn",)).fits
 
 
 @pytest.mark.parametrize("overrides, message", [

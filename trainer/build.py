@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 import kernels
-from conf.schema.memory import GPU_PRESETS, PLANNING_GPU
+from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from model.lora import fuse_adapter_products
@@ -40,7 +40,16 @@ def model_architecture(cfg) -> LlamaConfig:
 def plan_for(cfg, device: torch.device) -> MemoryPlan:
     """The memory plan of a validated `cfg` on `device`."""
     arch = model_architecture(cfg)
-    return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device)
+    return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
+                       attention_kernels=attention_kernels(cfg, device))
+
+
+def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:
+    """What kernels.attention_kernels says for this job: for the GPU named by memory.gpu, or by default
+    (PLANNING_GPU) when none is visible, else for this machine's."""
+    planned = cfg.memory.gpu or (PLANNING_GPU if device.type == "cuda" and not torch.cuda.is_available() else None)
+    hopper = None if planned is None else planned in HOPPER_PRESETS
+    return kernels.attention_kernels(cfg.kernels, cfg.deterministic, device, hopper)
 
 
 def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
@@ -98,8 +107,10 @@ def checked_plan(cfg, device: torch.device) -> MemoryPlan:
 
 
 def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
-    """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says."""
+    """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says, and
+    the ops dispatched to the attention kernel the plan was made for."""
     log.info("%s", plan.describe())
+    kernels.set_backend(cfg.kernels, plan.attention_kernel)
     dtype = plan.weights_dtype
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)

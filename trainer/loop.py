@@ -88,7 +88,7 @@ def train(cfg) -> dict:
     training = validate(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = resolve_device(cfg.device)
-    kernels.set_backend(cfg.kernels, cfg.deterministic)
+    kernels.set_backend(cfg.kernels)
     seed_everything(cfg.seed)
     plan = checked_plan(cfg, device)        # a job that cannot fit stops before writing anything
     run_dir = Path(cfg.output_dir)

@@ -1,0 +1,81 @@
+"""Attention through cuDNN's fused attention kernels (PyTorch's aten ops), on Hopper GPUs.
+
+Measured on the H100 (docs/BENCHMARKS.md), cuDNN's forward+backward runs at 530-566 TFLOP/s against
+393-430 for kernels.flash_attention, so `kernels=auto` uses it there for rows without packed documents
+(kernels.dispatch). Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
+[B, S, Hkv, D], GQA without repeating K/V) and the same attention-tape protocol as flash_attention: the
+forward records (out, lse); under a replaying tape the recomputation returns the recorded output and runs
+no forward kernel.
+
+The aten ops take [B, H, S, D] views of our [B, S, H, D] tensors (transposes, no copies) and return the
+output laid out [B, S, H, D] in memory. Their backward adds dQ with atomics (not bit-identical run to run;
+`deterministic=true` runs flash_attention instead) and needs a workspace of about two fp32 copies of dQ
+(`backward_workspace_bytes`, which the planner counts).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from kernels import attention_tape
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Measured peak memory of the aten backward beyond its inputs and dq/dk/dv, per query element (token x
+# query head x head dim): 1.00 GiB at 32k tokens and 4.02 GiB at 131k with 32 heads of 128.
+WORKSPACE_BYTES_PER_QUERY_ELEMENT = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether cuDNN attention runs on `device` and is the faster choice there (Hopper or newer)."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"))
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> bool:
+    """Whether these inputs take the cuDNN path: unpacked rows of a supported dtype and head dim."""
+    return (cu_seqlens is None and q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype
+            and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.stride(-1) == 1 and k.stride(-1) == 1)
+
+
+def backward_workspace_bytes(tokens: int, q_heads: int, head_dim: int) -> int:
+    return WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+class CudnnAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, softmax_scale):
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
+        if saved is None:
+            result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale)
+            out, lse = _heads_first(result[0]), result[1]
+            attention_tape.record(out, lse)
+        else:
+            out, lse = saved
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        seqlen = q.shape[1]
+        no_dropout_state = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed and offset
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _heads_first(grad_out), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out), lse,
+            no_dropout_state, no_dropout_state, None, None, None, seqlen, seqlen, 0.0, ctx.causal, scale=ctx.scale)
+        return (*(_heads_first(grad) for grad in grads), None, None)
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None) -> torch.Tensor:
+    """Attention with the signature and layout of `kernels.reference.attention`, without cu_seqlens."""
+    return CudnnAttentionFunction.apply(q, k, v, causal, softmax_scale)

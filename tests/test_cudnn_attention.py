@@ -1,0 +1,101 @@
+"""kernels.cudnn_attention on a Hopper GPU: the reference's contract in bf16, the attention tape, the
+dispatch that sends unpacked rows to it, and the backward workspace the planner counts. Skipped elsewhere."""
+import pytest
+import torch
+
+import kernels
+from kernels import attention_tape, cudnn_attention, reference
+from kernels.attention_tape import AttentionTape
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cudnn_attention.available(torch.device("cuda"))),
+                                reason="needs a Hopper GPU with cuDNN")
+# Observed on the H100: 2.1e-3 for the output, 2.9e-3 to 3.4e-3 for the gradients (bf16 inputs).
+TOLERANCE = 5e-3
+
+
+@pytest.fixture(autouse=True)
+def restore_backend():
+    yield
+    kernels.set_backend("auto")
+
+
+def _rel_err(actual, expected):
+    assert not torch.isnan(actual).any()
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def _inputs(seqlen, q_heads=32, kv_heads=8, head_dim=128, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(1, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for heads in (q_heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("seqlen, q_heads, kv_heads, head_dim, causal", [
+    (4096, 32, 8, 128, True), (1000, 8, 2, 64, True), (777, 4, 4, 128, False)])
+def test_matches_the_fp32_reference(seqlen, q_heads, kv_heads, head_dim, causal):
+    q, k, v = _inputs(seqlen, q_heads, kv_heads, head_dim)
+    out = cudnn_attention.cudnn_attention(q, k, v, causal=causal)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert actual.shape == expected.shape and actual.dtype == torch.bfloat16, name
+        assert _rel_err(actual, expected) < TOLERANCE, (name, _rel_err(actual, expected))
+
+
+def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
+    q, k, v = _inputs(2048)
+    grad_out = torch.randn(1, 2048, 32, 128, device="cuda", dtype=torch.bfloat16)
+    tape = AttentionTape()
+    with tape.recording():
+        recorded = cudnn_attention.cudnn_attention(q, k, v)
+    assert len(tape.saved) == 1 and tape.saved[0][0] is recorded
+    expected = torch.autograd.grad(recorded, (q, k, v), grad_out)
+    with tape.replaying():
+        replayed = cudnn_attention.cudnn_attention(q, k, v)
+    assert torch.equal(replayed, recorded)
+    dq, dk, dv = torch.autograd.grad(replayed, (q, k, v), grad_out)
+    assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])   # dQ is added with atomics
+    assert _rel_err(dq, expected[0]) < 1e-2
+    assert attention_tape._state.current is None
+
+
+def test_dispatch_sends_unpacked_rows_to_cudnn_and_packed_documents_to_flash_attention():
+    from kernels.flash_attention import flash_attention
+    q, k, v = _inputs(1024)
+    kernels.set_backend("auto", "cudnn")
+    assert torch.equal(kernels.attention(q, k, v), cudnn_attention.cudnn_attention(q, k, v))
+    cu_seqlens = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
+    assert torch.equal(kernels.attention(q, k, v, cu_seqlens=cu_seqlens), flash_attention(q, k, v, cu_seqlens=cu_seqlens))
+    kernels.set_backend("auto")
+    assert torch.equal(kernels.attention(q, k, v), flash_attention(q, k, v))
+
+
+def test_strided_views_of_one_projection_run():
+    """q, k, v as views of one fused projection output, as a model may hand them."""
+    torch.manual_seed(3)
+    fused = torch.randn(1, 512, 48, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = fused[:, :, :32], fused[:, :, 32:40], fused[:, :, 40:]
+    out = cudnn_attention.cudnn_attention(q, k, v)
+    ref = reference.attention(q.float(), k.float(), v.float())
+    assert _rel_err(out, ref) < TOLERANCE
+    out.sum().backward()
+    assert torch.isfinite(fused.grad).all()
+
+
+def test_backward_stays_within_the_planned_workspace():
+    """The backward's peak beyond its inputs and dq/dk/dv is at most what the planner counts for it."""
+    seqlen = 16384
+    q, k, v = _inputs(seqlen)
+    out = cudnn_attention.cudnn_attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)
+    planned = cudnn_attention.backward_workspace_bytes(seqlen, 32, 128)
+    assert 0.5 * planned < extra <= planned * 1.05, (extra, planned)
