@@ -27,9 +27,8 @@ class JobConfig:
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
     device: str = "auto"        # conf.schema.job.DEVICES
     kernels: str = "auto"       # conf.schema.job.KERNEL_BACKENDS
-    # Bit-identical results run to run: the Triton attention's backward then computes dQ in a second
-    # kernel (7 matrix products per tile instead of 5, about 25% slower attention backward) instead of
-    # adding it with fp32 atomics, whose order varies (docs/BENCHMARKS.md).
+    # Bit-identical results run to run: attention runs our Triton kernels, whose backward adds no atomics,
+    # instead of cuDNN's where that is faster (kernels.dispatch.attention_kernels; docs/BENCHMARKS.md).
     deterministic: bool = False
     log_every: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
