@@ -8,7 +8,7 @@ forward records (out, lse); under a replaying tape the recomputation returns the
 no forward kernel.
 
 The aten ops take [B, H, S, D] views of our [B, S, H, D] tensors (transposes, no copies) and return the
-output laid out [B, S, H, D] in memory. Their backward adds dQ with atomics (not bit-identical run to run;
+output laid out [B, S, H, D] in memory; dO must have the output's strides. Their backward adds dQ with atomics (not bit-identical run to run;
 `deterministic=true` runs flash_attention instead) and needs a workspace of about two fp32 copies of dQ
 (`backward_workspace_bytes`, which the planner counts).
 """
@@ -68,6 +68,10 @@ class CudnnAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         seqlen = q.shape[1]
+        if grad_out.stride() != out.stride():
+            # cuDNN reads dO with O's strides. The model's dO (o_proj's input gradient) has them; a broadcast
+            # one (stride 0, from out.sum()) or another layout is copied into O's: the only copy this op makes.
+            grad_out = torch.empty_like(out).copy_(grad_out)
         no_dropout_state = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed and offset
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _heads_first(grad_out), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out), lse,

@@ -17,6 +17,10 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
     gpu_tests) TRITON_INTERPRET=0 python3 -m pytest -q $GPU_TESTS 2>&1 | tee $OUT/gpu_tests.log | tail -8 ;;
+    debug_tests)
+      TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -x --tb=short tests/test_flash_attention.py -k compiled_code 2>&1 | tee $OUT/debug1.log | tail -30
+      TRITON_INTERPRET=0 timeout 240 python3 -m pytest -v -x --tb=short tests/test_cudnn_attention.py tests/test_kernels_gpu.py tests/test_rope_swiglu_gpu.py 2>&1 | tee $OUT/debug2.log | grep -v "^$" | tail -40 ;;
+    rest_tests) TRITON_INTERPRET=0 timeout 300 python3 -m pytest -v --tb=short tests/test_full_finetune.py tests/test_resume.py tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py 2>&1 | tee $OUT/rest.log | grep -E "FAIL|ERROR|passed|failed|Error" | tail -20 ;;
     cudnn_tests) TRITON_INTERPRET=0 python3 -m pytest -q tests/test_cudnn_attention.py tests/test_offload.py tests/test_dispatch.py 2>&1 | tee $OUT/cudnn_tests.log | tail -5 ;;
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
