@@ -14,6 +14,7 @@ from conf.schema.job import check_job
 from conf.schema.memory import check_memory, resolve_gpu_preset
 from conf.schema.model import check_model
 from conf.schema.optim import check_optim, resolve_optim
+from conf.schema.parallel import check_parallel
 from conf.schema.train import check_train
 
 __all__ = ["ConfigError", "check_known_keys", "validate"]
@@ -26,6 +27,7 @@ def validate(cfg) -> str:
     check_known_keys(cfg)
     check_job(cfg)
     check_train(cfg.train)
+    check_parallel(cfg)
     training = resolve_optim(cfg)
     check_optim(cfg.optim, cfg.max_steps)
     check_model(cfg.model)

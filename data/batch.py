@@ -19,6 +19,15 @@ class Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens))
 
+    def shard(self, index: int, count: int) -> "Batch":
+        """The index-th of `count` equal slices of the sequence (sequence parallelism): its tokens, labels
+        and positions; cu_seqlens stay those of the whole sequence, which attention sees."""
+        seqlen = self.input_ids.shape[1]
+        if seqlen % count:
+            raise ValueError(f"a sequence of {seqlen} tokens does not split into {count} equal slices")
+        part = slice(index * seqlen // count, (index + 1) * seqlen // count)
+        return Batch(self.input_ids[:, part], self.labels[:, part], self.position_ids[:, part], self.cu_seqlens)
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()

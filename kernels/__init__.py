@@ -17,7 +17,7 @@ import types
 
 from kernels import dispatch, reference
 from kernels.dispatch import (adamw_update, attention, attention_kernels, attention_records, get_backend, layer_norm,
-                              linear_cross_entropy, rms_norm, rope, set_backend, swiglu)
+                              linear_cross_entropy, rms_norm, rope, set_backend, set_sequence_parallel, swiglu)
 
 
 class _Package(types.ModuleType):

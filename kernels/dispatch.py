@@ -36,6 +36,7 @@ ATTENTION_KERNELS = ("flash", "cudnn")
 
 _backend = "auto"
 _attention_kernel = "flash"
+_sequence_group = None        # a torch.distributed group when attention runs sequence-parallel
 
 
 def set_backend(name: str, attention_kernel: str = "flash") -> None:
@@ -46,6 +47,13 @@ def set_backend(name: str, attention_kernel: str = "flash") -> None:
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel={attention_kernel!r} is not one of {ATTENTION_KERNELS}")
     _backend, _attention_kernel = name, attention_kernel
+
+
+def set_sequence_parallel(group) -> None:
+    """Run attention Ulysses-style over `group` (kernels.sequence_parallel): each rank then holds a slice of
+    the sequence, and cu_seqlens describe the whole one. None: this process holds whole sequences."""
+    global _sequence_group
+    _sequence_group = group
 
 
 def attention_kernels(backend: str, deterministic: bool, device: torch.device,
@@ -118,6 +126,14 @@ def swiglu(gate, up):
 
 
 def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
+    if _sequence_group is not None:
+        from kernels.sequence_parallel import ulysses_attention
+        return ulysses_attention(_attention_on_this_rank, q, k, v, _sequence_group, causal=causal,
+                                 cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+    return _attention_on_this_rank(q, k, v, causal, cu_seqlens, softmax_scale)
+
+
+def _attention_on_this_rank(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
     # Under "triton" a shape the kernel lacks still goes to it, whose checks name the problem; "auto"
     # falls back to the reference (e.g. the tiny model's head dim 16 on a GPU).
     if _attention_kernel == "cudnn" and q.is_cuda and _cudnn_attention().supports(q, k, cu_seqlens):

@@ -8,6 +8,7 @@ import torch
 
 from data import IGNORE_INDEX, Batch
 from model import unwrap_llama
+from trainer.distributed import World
 from trainer.guard import update_is_finite
 
 # Accuracy is logged only when the supervised tokens are few enough that their logits are cheap.
@@ -56,19 +57,27 @@ def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gra
 
 
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
-               scheduler, grad_clip: float, device: torch.device) -> StepResult:
+               scheduler, grad_clip: float, device: torch.device, world: World = World.single()) -> StepResult:
     """Forward/backward every micro-batch, clip, update (skipped when the loss or gradients are not finite).
 
     The loss is the mean over all supervised tokens of the step (not a mean of micro-batch means), so
     accumulation over k micro-batches equals one batch k times larger; so is the accuracy (None when a
-    micro-batch has too many supervised tokens for it, or the step none).
+    micro-batch has too many supervised tokens for it, or the step none). Over several processes (`world`)
+    each rank runs its slice of its sequence-parallel group's batches, the loss is divided by the supervised
+    tokens of the whole world, and the gradients are summed over it: the step equals one process's on all
+    of the world's batches.
     """
     optimizer.zero_grad(set_to_none=True)
-    supervised = sum(b.num_supervised for b in micro_batches)
+    if world.distributed and hasattr(optimizer, "clip_grad_norm_"):
+        raise NotImplementedError("the streamed bf16 optimizer states of full fine-tuning do not run over several "
+                                  "processes yet: use train=lora, or train.full_state=fp32 with one process")
+    # A sequence-parallel group shares its batches: count them once per group.
+    supervised, tokens = (int(total) // world.sequence for total in world.sum(
+        [sum(b.num_supervised for b in micro_batches), sum(b.num_tokens for b in micro_batches)]))
     lm = unwrap_llama(model)
-    total_loss, correct, counted, measurable = 0.0, 0, 0, True
+    total_loss, correct, counted, unmeasurable = 0.0, 0, 0, 0
     for batch in micro_batches:
-        batch = batch.to(device)
+        batch = batch.shard(world.sequence_rank, world.sequence).to(device)
         with autocast(device):
             hidden = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens)
             loss = lm.loss(hidden, batch.labels, reduction="sum") / max(supervised, 1)
@@ -76,12 +85,14 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
         total_loss += float(loss.detach())
         tally = supervised_correct(model, hidden.detach(), batch.labels)
         if tally is None:
-            measurable = False
+            unmeasurable += 1
         else:
             correct, counted = correct + tally[0], counted + tally[1]
         # The output (B x S x hidden, GiBs at long context) must not live on through the next micro-batch.
         del hidden, loss
-    accuracy = correct / counted if measurable and counted else None
+    world.sum_gradients(p for p in model.parameters() if p.requires_grad)
+    total_loss, correct, counted, unmeasurable = world.sum([total_loss, correct, counted, unmeasurable])
+    accuracy = correct / counted if not unmeasurable and counted else None
     grad_norm = clip_gradients(model, optimizer, grad_clip)
     applied = update_is_finite(total_loss, float(grad_norm))
     if applied:
@@ -89,4 +100,4 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
     # The schedule advances on skipped steps too, so the learning rate is a function of the step alone.
     scheduler.step()
     return StepResult(loss=total_loss, grad_norm=float(grad_norm), accuracy=accuracy,
-                      tokens=sum(b.num_tokens for b in micro_batches), supervised=supervised, applied=applied)
+                      tokens=tokens, supervised=supervised, applied=applied)

@@ -11,6 +11,7 @@ from conf.schema.job import CheckpointConfig, LoggerConfig, WandbConfig
 from conf.schema.memory import MemoryConfig
 from conf.schema.model import MISSING, ModelConfig
 from conf.schema.optim import OptimConfig
+from conf.schema.parallel import ParallelConfig
 from conf.schema.train import TrainConfig
 
 
@@ -43,6 +44,8 @@ class JobConfig:
     max_bad_steps: int = 5
     # Activation checkpointing, host offload and MLP tiling, planned to fit the GPU and host (offload/).
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # Several processes (torchrun): the sequence-parallel degree, data parallel beyond it.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def register_configs() -> None:
@@ -51,4 +54,4 @@ def register_configs() -> None:
 
 
 __all__ = ["CheckpointConfig", "DataConfig", "JobConfig", "LoggerConfig", "MemoryConfig", "ModelConfig",
-           "OptimConfig", "TrainConfig", "WandbConfig", "register_configs"]
+           "OptimConfig", "ParallelConfig", "TrainConfig", "WandbConfig", "register_configs"]

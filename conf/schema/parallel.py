@@ -1,0 +1,39 @@
+"""The `parallel` group: how a job launched on several processes (torchrun) splits its work, with its check.
+
+`parallel.sequence=P` splits each sequence over P ranks (Ulysses sequence parallelism: each rank holds
+seq_len / P tokens, attention exchanges heads for tokens); the ranks of the world beyond that are data
+parallel (world size / P different batches per step). One process: P must be 1.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from conf.errors import ConfigError
+
+
+@dataclass
+class ParallelConfig:
+    sequence: int = 1
+
+
+def world_size() -> int:
+    """Processes of this job, as torchrun says (WORLD_SIZE); 1 without it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_parallel(cfg) -> None:
+    """parallel.sequence against the world, the sequence length and the model's heads."""
+    degree, world = cfg.parallel.sequence, world_size()
+    if degree < 1:
+        raise ConfigError(f"parallel.sequence={degree} must be at least 1")
+    if world % degree:
+        raise ConfigError(f"parallel.sequence={degree} must divide the {world} processes of this job "
+                          f"(torchrun --nproc-per-node); the rest of the world is data parallel")
+    if cfg.seq_len % degree:
+        raise ConfigError(f"seq_len={cfg.seq_len} must be a multiple of parallel.sequence={degree}: each rank "
+                          f"holds an equal slice")
+    heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
+    if heads % degree or (kv_heads % degree and degree % kv_heads):
+        raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide the model's "
+                          f"{heads} query heads, and divide or be a multiple of its {kv_heads} KV heads")

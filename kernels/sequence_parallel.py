@@ -1,0 +1,66 @@
+"""Ulysses sequence parallelism for attention, over a torch.distributed process group.
+
+Each rank of the group holds a contiguous slice of the sequence: q [B, S/P, Hq, D], k and v
+[B, S/P, Hkv, D]. One all-to-all turns them into the whole sequence for a share of the heads
+([B, S, Hq/P, D]), attention runs on that (any attention function with the reference's signature, with the
+document offsets of the global sequence), and one all-to-all turns its output back into this rank's tokens
+for every head. Both all-to-alls are autograd functions whose backward is the inverse exchange.
+
+KV heads fewer than the group (Llama-3 8B: 8 KV heads over 16 ranks) are repeated until there are as many
+as ranks, each query head keeping its KV head; autograd sums the repeats' gradients back.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split x along scatter_dim into one part per rank, send part i to rank i, and concatenate what
+    arrives, in rank order, along gather_dim."""
+    parts = [part.contiguous() for part in x.chunk(dist.get_world_size(group), dim=scatter_dim)]
+    received = [torch.empty_like(part) for part in parts]
+    dist.all_to_all(received, parts, group=group)
+    return torch.cat(received, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S/P, H, D] on each rank -> [B, S, H/P, D]: the whole sequence for this rank's heads."""
+    return _AllToAll.apply(x, group, 2, 1)
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S, H/P, D] -> [B, S/P, H, D]: this rank's tokens for every head (the inverse)."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def check_heads(q_heads: int, kv_heads: int, degree: int) -> None:
+    """Ulysses shards heads: the query heads must split evenly, and the KV heads either split or repeat
+    evenly into the group."""
+    if q_heads % degree or (kv_heads % degree and degree % kv_heads):
+        raise ValueError(f"sequence parallelism over {degree} ranks needs query heads ({q_heads}) divisible by "
+                         f"{degree} and KV heads ({kv_heads}) dividing or divisible by it")
+
+
+def ulysses_attention(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, **options) -> torch.Tensor:
+    """attention(q, k, v, **options) over the whole sequence, each rank holding a slice of its tokens and
+    computing a share of its heads; options carry the global sequence's cu_seqlens."""
+    degree = dist.get_world_size(group)
+    check_heads(q.shape[2], k.shape[2], degree)
+    if k.shape[2] < degree:
+        repeats = degree // k.shape[2]
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    out = attention(heads_to_sequence(q, group), heads_to_sequence(k, group), heads_to_sequence(v, group),
+                    **options)
+    return sequence_to_heads(out, group)

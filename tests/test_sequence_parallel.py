@@ -1,0 +1,139 @@
+"""Several processes on the CPU (gloo, 2 ranks): a sequence-parallel or data-parallel step equals one
+process's step on the same tokens, loss and every gradient within fp32 rounding, for LoRA and full
+fine-tuning, with packed documents that cross the ranks' slices and fewer KV heads than ranks."""
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from conf.errors import ConfigError  # noqa: E402
+from data import Batch  # noqa: E402
+from kernels.sequence_parallel import check_heads  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+from trainer.build import apply_lora  # noqa: E402
+from trainer.distributed import World, world_of  # noqa: E402
+from trainer.step import train_step  # noqa: E402
+
+# One KV head for two ranks: the sequence-parallel attention repeats it.
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, rope_theta=10000.0)
+LORA = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0,
+                       lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"])
+SEQLEN = 24
+
+
+def _model(train: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Llama.from_config(LlamaConfig(**TINY), dtype=torch.float32, device="cpu")
+    if train == "lora":
+        model = apply_lora(model, LORA)
+        with torch.no_grad():     # LoRA B starts at zero: make every adapter matter
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.05)
+    return model
+
+
+def _batch(seed: int) -> Batch:
+    """Two rows of packed documents; one document spans both ranks' slices, labels partly ignored."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (2, SEQLEN), generator=generator)
+    labels = torch.randint(0, TINY["vocab_size"], (2, SEQLEN), generator=generator)
+    labels[0, :5] = -100
+    cu_seqlens = torch.tensor([0, 7, 20, 31, 48], dtype=torch.int32)
+    flat = torch.arange(2 * SEQLEN)
+    starts = cu_seqlens[torch.searchsorted(cu_seqlens[1:], flat, right=True)]
+    return Batch(ids, labels, (flat - starts).view(2, SEQLEN), cu_seqlens)
+
+
+def _step(model, batches, world):
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    result = train_step(model, batches, optimizer, scheduler, 0.0, torch.device("cpu"), world)
+    return result, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _worker(rank: int, init_file: str, train: str, sequence: int, failures):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        kernels.set_backend("reference")
+        world = world_of(rank, 2, sequence)
+        model = _model(train)
+        mine = [_batch(seed=1)] if sequence == 2 else [_batch(seed=1 + rank)]
+        # One process on all the world's tokens: the sequence group's batch, or both data-parallel batches
+        # as micro-batches (accumulation equals one larger batch).
+        whole = mine if sequence == 2 else [_batch(seed=1), _batch(seed=2)]
+        expected, expected_grads = _step(model, whole, World.single())
+        kernels.set_sequence_parallel(world.sequence_group if sequence > 1 else None)
+        result, grads = _step(model, mine, world)
+        assert result.supervised == expected.supervised and result.tokens == expected.tokens
+        assert abs(result.loss - expected.loss) <= 1e-6 * abs(expected.loss), (result.loss, expected.loss)
+        assert grads.keys() == expected_grads.keys() and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    except BaseException as error:      # reported to the parent, which fails the test with it
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+    finally:
+        kernels.set_sequence_parallel(None)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("train", ["lora", "full"])
+@pytest.mark.parametrize("sequence", [2, 1], ids=["sequence-parallel", "data-parallel"])
+def test_two_processes_take_the_single_process_step(train, sequence):
+    context = mp.get_context("spawn")
+    failures = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as directory:
+        processes = [context.Process(target=_worker, args=(rank, os.path.join(directory, "init"), train,
+                                                            sequence, failures)) for rank in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=120)
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    assert not messages, "\n".join(messages)
+    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+
+
+def test_heads_must_split_over_the_sequence_group():
+    check_heads(32, 8, 16)           # 8 KV heads repeated over 16 ranks
+    check_heads(32, 8, 4)
+    with pytest.raises(ValueError, match="query heads \\(32\\) divisible by 3"):
+        check_heads(32, 8, 3)
+
+
+def test_a_batch_shard_is_its_slice_with_the_whole_sequences_documents():
+    batch = _batch(seed=1)
+    second = batch.shard(1, 2)
+    assert torch.equal(second.input_ids, batch.input_ids[:, 12:]) and second.cu_seqlens is batch.cu_seqlens
+    assert torch.equal(second.position_ids, batch.position_ids[:, 12:])
+    with pytest.raises(ValueError, match="24 tokens does not split into 5"):
+        batch.shard(0, 5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.sequence=2"], "must divide the 1 processes"),
+    (["parallel.sequence=0"], "must be at least 1"),
+])
+def test_parallel_settings_are_checked(overrides, message):
+    from hydra import compose, initialize_config_dir
+    from conf.schema import register_configs
+    from conf.validate import validate
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
