@@ -145,16 +145,17 @@ def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool
 def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> dict[str, int]:
     arch, a = shape.arch, shape.activation
     attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
+    attention_label = "attention statistics"
     if attention_kernel == "cudnn":        # cuDNN's backward workspace, beside the statistics it keeps
         attention_stats += cudnn_attention.backward_workspace_bytes(shape.tokens, arch.num_attention_heads,
                                                                      arch.head_dim)
+        attention_label = "attention stats+workspace"
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
     backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile
     loss = int(LOSS_ACTIVATIONS * a) + LCE_WORKSPACE + shape.tokens * 8
     if backward >= loss:
         return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
-                "attention stats+workspace" if attention_kernel == "cudnn" else "attention statistics": attention_stats,
-                "MLP tile": mlp_tile}
+                attention_label: attention_stats, "MLP tile": mlp_tile}
     return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}
 
 

@@ -107,12 +107,9 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
     fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts)."""
     capacity = capacity or Capacity.detect(device, memory_cfg)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
-    for attention_kernel in attention_kernels:
-        for layout in layouts:
-            plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout,
-                                attention_kernel)
-            if plan.fits:
-                break
+    for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
+        plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout,
+                            attention_kernel)
         if plan.fits:
             break
     if with_advice and not plan.fits:
