@@ -8,9 +8,9 @@ forward records (out, lse); under a replaying tape the recomputation returns the
 no forward kernel.
 
 The aten ops take [B, H, S, D] views of our [B, S, H, D] tensors (transposes, no copies) and return the
-output laid out [B, S, H, D] in memory; dO must have the output's strides. Their backward adds dQ with atomics (not bit-identical run to run;
-`deterministic=true` runs flash_attention instead) and needs a workspace of about two fp32 copies of dQ
-(`backward_workspace_bytes`, which the planner counts).
+output laid out [B, S, H, D] in memory; dO must have the output's strides. Their backward adds dQ with
+atomics (not bit-identical run to run; `deterministic=true` runs flash_attention instead) and needs a
+workspace of about two fp32 copies of dQ (`backward_workspace_bytes`, which the planner counts).
 """
 from __future__ import annotations
 
