@@ -12,8 +12,8 @@ log-sum-exp are all the attention backward needs besides q, k, v. A memory polic
     with tape.replaying():
         y = layer(x)                     # each attention call returns its saved out, no forward kernel
 
-Only the Triton attention (kernels.flash_attention) takes part; the reference attention computes as
-usual, leaving the tape empty, which the policy treats as nothing kept. The model code knows nothing of
+The Triton attention (kernels.flash_attention) and cuDNN's (kernels.cudnn_attention) take part; the
+reference attention computes as usual, leaving the tape empty, which the policy treats as nothing kept. The model code knows nothing of
 this.
 """
 from __future__ import annotations
