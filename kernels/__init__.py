@@ -16,8 +16,9 @@ import sys
 import types
 
 from kernels import dispatch, reference
-from kernels.dispatch import (adamw_update, attention, attention_kernels, attention_records, get_backend, layer_norm,
-                              linear_cross_entropy, rms_norm, rope, set_backend, set_sequence_parallel, swiglu)
+from kernels.dispatch import (adamw_update, attention, attention_kernels, attention_records, get_backend,
+                              layer_norm, linear_cross_entropy, rms_norm, rope, set_backend, set_sequence_parallel,
+                              swiglu)
 
 
 class _Package(types.ModuleType):

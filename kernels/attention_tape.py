@@ -13,8 +13,8 @@ log-sum-exp are all the attention backward needs besides q, k, v. A memory polic
         y = layer(x)                     # each attention call returns its saved out, no forward kernel
 
 The Triton attention (kernels.flash_attention) and cuDNN's (kernels.cudnn_attention) take part; the
-reference attention computes as usual, leaving the tape empty, which the policy treats as nothing kept. The model code knows nothing of
-this.
+reference attention computes as usual, leaving the tape empty, which the policy treats as nothing kept.
+The model code knows nothing of this.
 """
 from __future__ import annotations
 

@@ -136,17 +136,15 @@ def attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
 def _attention_on_this_rank(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None):
     # Under "triton" a shape the kernel lacks still goes to it, whose checks name the problem; "auto"
     # falls back to the reference (e.g. the tiny model's head dim 16 on a GPU).
-    if _attention_kernel == "cudnn" and q.is_cuda and _cudnn_attention().supports(q, k, cu_seqlens):
-        return _cudnn_attention().cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if _attention_kernel == "cudnn" and q.is_cuda:
+        cudnn = importlib.import_module("kernels.cudnn_attention")
+        if cudnn.supports(q, k, cu_seqlens):
+            return cudnn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
         op = _triton_op("attention")
     else:
         op = reference.attention
     return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
-
-
-def _cudnn_attention():
-    return importlib.import_module("kernels.cudnn_attention")
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from conf.schema.parallel import heads_split
+
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split x along scatter_dim into one part per rank, send part i to rank i, and concatenate what
@@ -48,7 +50,7 @@ def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
 def check_heads(q_heads: int, kv_heads: int, degree: int) -> None:
     """Ulysses shards heads: the query heads must split evenly, and the KV heads either split or repeat
     evenly into the group."""
-    if q_heads % degree or (kv_heads % degree and degree % kv_heads):
+    if not heads_split(q_heads, kv_heads, degree):
         raise ValueError(f"sequence parallelism over {degree} ranks needs query heads ({q_heads}) divisible by "
                          f"{degree} and KV heads ({kv_heads}) dividing or divisible by it")
 

@@ -68,7 +68,8 @@ def test_dispatch_sends_unpacked_rows_to_cudnn_and_packed_documents_to_flash_att
     kernels.set_backend("auto", "cudnn")
     assert torch.equal(kernels.attention(q, k, v), cudnn_attention.cudnn_attention(q, k, v))
     cu_seqlens = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
-    assert torch.equal(kernels.attention(q, k, v, cu_seqlens=cu_seqlens), flash_attention(q, k, v, cu_seqlens=cu_seqlens))
+    packed = kernels.attention(q, k, v, cu_seqlens=cu_seqlens)
+    assert torch.equal(packed, flash_attention(q, k, v, cu_seqlens=cu_seqlens))
     kernels.set_backend("auto")
     assert torch.equal(kernels.attention(q, k, v), flash_attention(q, k, v))
 

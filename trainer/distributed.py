@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from conf.schema.parallel import world_size
+
 
 @dataclass
 class World:
@@ -71,8 +73,7 @@ def _reduce_device() -> torch.device:
 def init_world(sequence: int, device: torch.device) -> World:
     """The world torchrun started this process in (RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous
     variables), with its process groups; `World.single()` when it started one process."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
+    if world_size() == 1:
         return World.single()
     if not dist.is_initialized():
         if device.type == "cuda":

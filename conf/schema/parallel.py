@@ -17,6 +17,12 @@ class ParallelConfig:
     sequence: int = 1
 
 
+def heads_split(q_heads: int, kv_heads: int, degree: int) -> bool:
+    """Whether Ulysses can shard these heads over `degree` ranks: the query heads evenly, the KV heads
+    evenly or repeated evenly (kernels.sequence_parallel)."""
+    return q_heads % degree == 0 and (kv_heads % degree == 0 or degree % kv_heads == 0)
+
+
 def world_size() -> int:
     """Processes of this job, as torchrun says (WORLD_SIZE); 1 without it."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -34,6 +40,6 @@ def check_parallel(cfg) -> None:
         raise ConfigError(f"seq_len={cfg.seq_len} must be a multiple of parallel.sequence={degree}: each rank "
                           f"holds an equal slice")
     heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
-    if heads % degree or (kv_heads % degree and degree % kv_heads):
+    if not heads_split(heads, kv_heads, degree):
         raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide the model's "
                           f"{heads} query heads, and divide or be a multiple of its {kv_heads} KV heads")
