@@ -68,6 +68,12 @@ class Capacity:
             gpu = host    # the "device" is the host itself
         return cls(int(gpu), int(host), int(host * memory_cfg.pinnable_fraction), device.type)
 
+    def shared_by(self, ranks: int) -> "Capacity":
+        """One rank's share where `ranks` processes of a job share this host (its GPU is its own; on a CPU
+        run the "GPU" is the host too)."""
+        gpu = self.gpu // ranks if self.device_type != "cuda" else self.gpu
+        return Capacity(gpu, self.host // ranks, self.pinnable // ranks, self.device_type)
+
     @property
     def gpu_limit(self) -> int:
         """The GPU bytes a plan may fill with predicted allocations."""
@@ -157,6 +163,17 @@ def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> 
         return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
                 attention_label: attention_stats, "MLP tile": mlp_tile}
     return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}
+
+
+def sequence_exchange_bytes(shape: Shape, degree: int) -> int:
+    """Sequence parallelism over `degree` ranks (kernels.sequence_parallel): the all-to-alls' copies of q, k
+    and v (KV heads repeated up to the degree when fewer) and of the attention output, live together in a
+    layer's backward. `shape.tokens` is this rank's slice."""
+    if degree == 1:
+        return 0
+    arch = shape.arch
+    heads = arch.num_attention_heads + 2 * max(arch.num_key_value_heads, degree) + arch.num_attention_heads
+    return shape.tokens * heads * arch.head_dim * shape.act_bytes
 
 
 def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda") -> int:

@@ -17,10 +17,18 @@ import torch
 
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                full_layer_bytes, parameter_counts, pinned_size, transient_bytes)
+                                full_layer_bytes, parameter_counts, pinned_size, sequence_exchange_bytes,
+                                transient_bytes)
 from offload.placement import keep_layers, with_full_layers
 from offload.state_layouts import layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes a job runs in, as far as one rank's memory is concerned."""
+    sequence: int = 1      # the sequence-parallel degree: each rank holds 1/sequence of each sequence
+    per_host: int = 1      # ranks on one machine, which share its host memory
 
 
 @dataclass
@@ -101,24 +109,26 @@ def _mlp_tiles(tokens: int, memory_cfg) -> int:
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True,
-                attention_kernels: tuple[str, ...] = ("flash",)) -> MemoryPlan:
+                attention_kernels: tuple[str, ...] = ("flash",), ranks: Ranks = Ranks()) -> MemoryPlan:
     """The policy for this config on this machine (or `capacity`), with its predicted peaks. The first
     attention kernel of `attention_kernels` (fastest first: kernels.attention_kernels) that fits, and for full
-    fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts)."""
-    capacity = capacity or Capacity.detect(device, memory_cfg)
+    fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts).
+    Several processes (`ranks`): the plan of one rank, which holds 1/ranks.sequence of each sequence and
+    shares the host with ranks.per_host - 1 others."""
+    capacity = capacity or Capacity.detect(device, memory_cfg).shared_by(ranks.per_host)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
     for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
-        plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size, device, capacity, layout,
-                            attention_kernel)
+        plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
+                            layout, attention_kernel, ranks.sequence)
         if plan.fits:
             break
     if with_advice and not plan.fits:
-        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device)
+        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks)
     return plan
 
 
 def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
-                 full_state: str | None, attention_kernel: str) -> MemoryPlan:
+                 full_state: str | None, attention_kernel: str, sequence_parallel: int) -> MemoryPlan:
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
@@ -132,6 +142,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
                                 attention_kernel)
+    if sequence_parallel > 1:
+        transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
@@ -157,7 +169,7 @@ def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:
     return None if device.type == "cuda" else 0
 
 
-def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device) -> list[str]:
+def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks: Ranks) -> list[str]:
     """Settings that would make a failing plan fit."""
     tips = []
     if not memory_cfg.checkpoint:
@@ -175,7 +187,7 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     if plan.mlp_tiles * 4096 < seq_len * batch_size:
         tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)" if memory_cfg.mlp_tiles is None else
                     "memory.mlp_tiles=null memory.mlp_tile_tokens=4096 (smaller MLP tiles; mlp_tiles overrides)")
-    fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity)
+    fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity, ranks)
     if fitting:
         tips.append(f"seq_len={fitting} (the longest that fits with these settings)" if batch_size == 1 else
                     f"batch_size * seq_len <= {fitting * batch_size} tokens")
@@ -187,12 +199,13 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     return tips
 
 
-def _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, capacity) -> int | None:
+def _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, capacity, ranks) -> int | None:
     step = 1024
     low, high = 0, seq_len // step
     while low < high:       # largest multiple of `step` below seq_len that fits
         mid = (low + high + 1) // 2
-        if plan_memory(arch, train_cfg, memory_cfg, mid * step, batch_size, device, capacity, False).fits:
+        if plan_memory(arch, train_cfg, memory_cfg, mid * step, batch_size, device, capacity, False,
+                       ranks=ranks).fits:
             low = mid
         else:
             high = mid - 1

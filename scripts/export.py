@@ -29,6 +29,7 @@ from trainer.build import architecture  # noqa: E402
 from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
                                        load_adapter, marker_problem)
 from trainer.disk_space import save_hf_model_if_room  # noqa: E402
+from trainer.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -73,6 +74,11 @@ def merged_lora(checkpoint: Path, base_dir: Path) -> tuple[dict[str, torch.Tenso
 def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     from safetensors.torch import load_file
     config = read_config(source) if source else architecture(cfg.model)
+    if (checkpoint / STATE_DIR).is_dir():     # saved by a run over several processes
+        weights = sharded_weights(checkpoint / STATE_DIR)
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights, config.to_hf_dict(), next(iter(weights.values())).dtype
     weights = load_file(checkpoint / WEIGHTS_FILE)
     return weights, config.to_hf_dict(), stored_dtype(checkpoint / WEIGHTS_FILE)
 

@@ -30,19 +30,31 @@ def fsync_tree(directory: Path) -> None:
 def atomic_directory(final: Path):
     """Yield a temporary directory next to `final`; on success it is flushed and renamed to `final`
     (replacing an older directory of that name). On error the temporary directory is removed."""
-    temp = final.parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(parents=True)
+    temp = fresh_temp_directory(final, str(os.getpid()))
     try:
         yield temp
-        fsync_tree(temp)
-        if final.exists():
-            shutil.rmtree(final)
-        temp.rename(final)
-        fsync_path(final.parent)
+        publish_directory(temp, final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def fresh_temp_directory(final: Path, suffix: str) -> Path:
+    """An empty temporary sibling of `final` (a leftover of that name is removed first)."""
+    temp = final.parent / f"{TEMP_PREFIX}{final.name}-{suffix}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    return temp
+
+
+def publish_directory(temp: Path, final: Path) -> None:
+    """Flush the written `temp` to disk and rename it to `final` (replacing an older directory of that
+    name)."""
+    fsync_tree(temp)
+    if final.exists():
+        shutil.rmtree(final)
+    temp.rename(final)
+    fsync_path(final.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

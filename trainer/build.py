@@ -13,7 +13,7 @@ from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from model.lora import fuse_adapter_products
-from offload.plan import MemoryPlan, plan_memory
+from offload.plan import MemoryPlan, Ranks, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
 from trainer.checkpoint_format import BASE_MODEL_DIR
@@ -37,11 +37,13 @@ def model_architecture(cfg) -> LlamaConfig:
     return architecture(cfg.model)
 
 
-def plan_for(cfg, device: torch.device) -> MemoryPlan:
-    """The memory plan of a validated `cfg` on `device`."""
+def plan_for(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
+    """The memory plan of a validated `cfg` on `device`, for one of its ranks (parallel.sequence of them per
+    sequence; `per_host` sharing this host's memory)."""
     arch = model_architecture(cfg)
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
-                       attention_kernels=attention_kernels(cfg, device))
+                       attention_kernels=attention_kernels(cfg, device),
+                       ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host))
 
 
 def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:
@@ -76,6 +78,7 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     why = "no CUDA GPU is visible" if not torch.cuda.is_available() else f"device={cfg.device}"
     settings = [f"model={cfg.model.name}", f"train={cfg.train.mode}", f"seq_len={cfg.seq_len}"]
     settings += [f"batch_size={cfg.batch_size}"] * (cfg.batch_size != 1)
+    settings += [f"parallel.sequence={cfg.parallel.sequence}"] * (cfg.parallel.sequence != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
     if plan.gpu["weights"] > plan.capacity.gpu_limit > 0:     # no memory.* setting can help
         failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
@@ -97,10 +100,10 @@ class Built:
     policy: MemoryPolicy
 
 
-def checked_plan(cfg, device: torch.device) -> MemoryPlan:
-    """The memory plan of a validated `cfg`; ConfigError with the numbers and what helps when it does not fit
-    (unless memory.check=false). Asked before anything is built or written."""
-    plan = plan_for(cfg, device)
+def checked_plan(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
+    """The memory plan of a validated `cfg` (plan_for); ConfigError with the numbers and what helps when it
+    does not fit (unless memory.check=false). Asked before anything is built or written."""
+    plan = plan_for(cfg, device, per_host)
     if cfg.memory.check and not plan.fits:
         raise ConfigError(plan_failure(cfg, plan))
     return plan

@@ -5,7 +5,9 @@ Contents: the trainable weights (LoRA: peft's adapter format in adapter/, which 
 that peft.AutoPeftModelForCausalLM loads it onto transformers' Llama, and load_adapter onto ours; full
 fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
 scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
-and config.yaml (the resolved config of the run). The COMPLETE marker, written last, lists every file and
+and config.yaml (the resolved config of the run). A run over several processes saves the trainable weights
+and optimizer state in state/ instead (trainer.sharded_state: DCP, readable on any number of processes),
+LoRA's adapter/ beside it for export. The COMPLETE marker, written last, lists every file and
 its size; a directory without a valid marker is incomplete and never resumed from.
 """
 from __future__ import annotations
@@ -20,7 +22,9 @@ from safetensors.torch import load_file
 
 from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weights
 from storage.atomic import atomic_write_text
+from trainer.distributed import World
 from trainer.rng_state import capture_rng_state
+from trainer.sharded_state import STATE_DIR, save_sharded_state
 
 CHECKPOINTS_DIR = "checkpoints"
 # In the run directory, not per checkpoint: the random-init base of a LoRA run, kept once for export.
@@ -53,9 +57,12 @@ class LoadedCheckpoint:
     path: Path
     progress: Progress
     config_yaml: str
-    weights: dict[str, torch.Tensor]
-    optimizer: dict
+    weights: dict[str, torch.Tensor]       # empty when the state is in state_dir
+    optimizer: dict | None
     trainer_state: dict
+    # A run over several processes saved its trainable weights and optimizer state here (sharded_state):
+    # loaded into the built model, as DCP needs.
+    state_dir: Path | None = None
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -75,15 +82,22 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
-                     progress: Progress, config_yaml: str) -> None:
-    """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later."""
+                     progress: Progress, config_yaml: str, world: World = World.single()) -> None:
+    """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later. Over
+    several processes (collective: every rank calls it) the trainable weights and optimizer state go to
+    state/ through DCP (trainer.sharded_state), and rank 0 writes the rest, the adapter included."""
+    if world.distributed:
+        save_sharded_state(directory / STATE_DIR, model, optimizer)
+        if not world.is_main:
+            return
     if is_lora(model):
         # The vocabulary is never resized, so the base's embeddings never belong in the adapter; "auto" would
         # read the base's config (model.path, or the hub) to find out.
         model.save_pretrained(directory / ADAPTER_DIR, save_embedding_layers=False)
-    else:
+    elif not world.distributed:
         save_weights(full_weights(model), directory)
-    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    if not world.distributed:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
     torch.save({"scheduler": scheduler.state_dict(), "rng": capture_rng_state(), "data": data.state_dict()},
                directory / STATE_FILE)
     (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress) | {"saved_at": time.time()}, indent=1))
@@ -137,15 +151,18 @@ def read_checkpoint(path: Path) -> LoadedCheckpoint:
     if problem:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problem}")
     try:
+        sharded = path / STATE_DIR
         adapter = path / ADAPTER_DIR / "adapter_model.safetensors"
-        weights = load_file(adapter if adapter.is_file() else path / WEIGHTS_FILE)
         return LoadedCheckpoint(
             path=path, progress=Progress(**{k: v for k, v in json.loads((path / PROGRESS_FILE).read_text()).items()
                                             if k in Progress.__dataclass_fields__}),
-            config_yaml=(path / CONFIG_FILE).read_text(), weights=weights,
+            config_yaml=(path / CONFIG_FILE).read_text(),
+            weights={} if sharded.is_dir() else load_file(adapter if adapter.is_file() else path / WEIGHTS_FILE),
             # Memory-mapped: a full 8B run's optimizer state is ~30 GiB, which should not need to fit in host
             # RAM beside the offload engine's pinned buffers; pages are read as restore copies them.
-            optimizer=torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True, mmap=True),
-            trainer_state=torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True))
+            optimizer=None if sharded.is_dir() else torch.load(path / OPTIMIZER_FILE, map_location="cpu",
+                                                               weights_only=True, mmap=True),
+            trainer_state=torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True),
+            state_dir=sharded if sharded.is_dir() else None)
     except Exception as error:  # any unreadable part makes the whole checkpoint unusable
         raise CheckpointError(f"checkpoint {path} is corrupt: {type(error).__name__}: {error}") from error

@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 
 from model.hf_checkpoint import is_lora
-from storage.atomic import TEMP_PREFIX, atomic_directory
+from storage.atomic import TEMP_PREFIX, atomic_directory, fresh_temp_directory, publish_directory
 from trainer.checkpoint_format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
                                        complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
                                        write_checkpoint, write_complete_marker)
 from trainer.disk_space import check_free_disk, checkpoint_size
 from trainer.optim import continue_schedule
+from trainer.distributed import World
 from trainer.rng_state import restore_rng_state
+from trainer.sharded_state import load_sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +64,38 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------------------- writing
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data, progress: Progress,
-             config_yaml: str) -> Path:
+             config_yaml: str, world: World = World.single()) -> Path:
         """Write checkpoint step-<progress.step>, then delete those keep_last no longer keeps; returns its
-        path."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(f"{TEMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
-        check_free_disk(self.root, checkpoint_size(model, optimizer))
+        path. Over several processes every rank calls it: each writes its part, and rank 0 renames the
+        directory into place and writes the marker once all have written."""
         final = step_dir(self.root, progress.step)
-        with atomic_directory(final) as temp:
-            write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
-        write_complete_marker(final)
-        self.prune()
+        if world.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"{TEMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
+            check_free_disk(self.root, checkpoint_size(model, optimizer))
+        if world.distributed:
+            self._write_together(final, world, lambda temp: write_checkpoint(
+                temp, model, optimizer, scheduler, data, progress, config_yaml, world))
+        else:
+            with atomic_directory(final) as temp:
+                write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
+        if world.is_main:
+            write_complete_marker(final)
+            self.prune()
+        world.barrier()     # no rank goes on (to a resume, or the next save) before the checkpoint is complete
         self.restart_interval(progress.step)
         return final
+
+    @staticmethod
+    def _write_together(final: Path, world: World, write) -> None:
+        """Every rank `write`s into one temporary directory that rank 0 made; rank 0 publishes it when all
+        have written."""
+        temp = world.main_value(fresh_temp_directory(final, "ranks") if world.is_main else None)
+        write(temp)
+        world.barrier()
+        if world.is_main:
+            publish_directory(temp, final)
 
     def prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). A directory that is not a
@@ -133,6 +153,27 @@ class CheckpointManager:
                 scheduler, data, force: bool = False) -> Progress:
         """Put model, optimizer, data pipeline and RNGs back in the checkpoint's state, and the scheduler at
         its step (of this job's schedule); `force` (resume_force) accepts a data state saved for other data."""
+        if loaded.state_dir is not None:
+            self._restore_sharded(loaded, model, optimizer)
+        else:
+            self._restore_files(loaded, model, optimizer)
+        continue_schedule(scheduler, loaded.trainer_state["scheduler"])
+        data.load_state_dict(loaded.trainer_state["data"], force=force)
+        restore_rng_state(loaded.trainer_state["rng"])
+        return loaded.progress
+
+    @staticmethod
+    def _restore_sharded(loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        try:
+            load_sharded_state(loaded.state_dir, model, optimizer)
+        except Exception as error:      # DCP names the first tensor that is missing or of another shape
+            raise CheckpointError(f"{loaded.path}: its {loaded.state_dir.name}/ does not fit this model "
+                                  f"(train.* or model.* settings differ?): {error}") from error
+        if not is_lora(model):
+            model.tie_weights()
+
+    @staticmethod
+    def _restore_files(loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if is_lora(model):
             from peft import set_peft_model_state_dict
             result = set_peft_model_state_dict(model, loaded.weights)
@@ -153,7 +194,3 @@ class CheckpointManager:
                                       f"settings differ?)")
             model.tie_weights()
         optimizer.load_state_dict(loaded.optimizer)
-        continue_schedule(scheduler, loaded.trainer_state["scheduler"])
-        data.load_state_dict(loaded.trainer_state["data"], force=force)
-        restore_rng_state(loaded.trainer_state["rng"])
-        return loaded.progress

@@ -33,6 +33,35 @@ def logging_to_run_dir(run_dir: Path):
         handler.close()
 
 
+@contextlib.contextmanager
+def quiet_rank(rank: int):
+    """While open, a rank other than 0 of a job over several processes shows only warnings and errors,
+    each naming the rank: rank 0 shows the job."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    naming = RankPrefix(rank)
+    root.setLevel(logging.WARNING)
+    for handler in handlers:    # a handler's filter sees the records of every logger; the root's would not
+        handler.addFilter(naming)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(naming)
+        root.setLevel(level)
+
+
+class RankPrefix(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.prefix = f"[rank {rank}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.prefix):
+            record.msg = self.prefix + str(record.msg)
+        return True
+
+
 def startup_summary(lines: dict[str, str]) -> None:
     width = max(map(len, lines))
     log.info("job\n" + "\n".join(f"  {name:<{width}}  {value}" for name, value in lines.items()))

@@ -38,8 +38,44 @@ class World:
         return self.rank % self.sequence
 
     @property
+    def data_parallel(self) -> int:
+        """Sequence-parallel groups, each on its own batches."""
+        return self.size // self.sequence
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's sequence-parallel group: which of the step's batches it trains on."""
+        return self.rank // self.sequence
+
+    @property
     def is_main(self) -> bool:
+        """The rank that writes the run directory, the metrics and W&B, and shows the console."""
         return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def main_value(self, value):
+        """Rank 0's `value` on every rank (a picklable object): what must not differ between ranks, such as
+        an output_dir resolved from the clock."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any(self, flags: list[bool]) -> list[bool]:
+        """Each flag true on any rank: decisions every rank must take together (stop, checkpoint now)."""
+        return [total > 0 for total in self.sum([float(flag) for flag in flags])]
+
+    def max(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value's maximum over the ranks (memory peaks)."""
+        if not self.distributed:
+            return values
+        highest = torch.tensor(list(values.values()), dtype=torch.float64, device=_reduce_device())
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        return dict(zip(values, highest.tolist()))
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over every rank (fp64, so token counts stay exact)."""
@@ -70,16 +106,38 @@ def _reduce_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def local_rank() -> int:
+    """This process's index among those torchrun started on its machine."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def ranks_per_host() -> int:
+    """The processes of this job on this machine, which share its host memory."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """The device of this process: on CUDA, the GPU of its local rank."""
+    return torch.device("cuda", local_rank()) if device.type == "cuda" else device
+
+
 def init_world(sequence: int, device: torch.device) -> World:
     """The world torchrun started this process in (RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous
-    variables), with its process groups; `World.single()` when it started one process."""
+    variables), with its process groups, on `device` (rank_device); `World.single()` when it started one
+    process."""
     if world_size() == 1:
         return World.single()
     if not dist.is_initialized():
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return world_of(dist.get_rank(), dist.get_world_size(), sequence)
+
+
+def close_world(world: World) -> None:
+    """Release the process groups of a distributed world at the end of the job."""
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_of(rank: int, size: int, sequence: int) -> World:

@@ -27,8 +27,10 @@ from offload.units import GIB
 from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import ProgressBar, end_summary, logging_to_run_dir, startup_summary, step_line
+from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
+                             step_line)
 from trainer.disk_space import save_hf_model_if_room
+from trainer.distributed import World, close_world, init_world, rank_device, ranks_per_host
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -55,12 +57,6 @@ def create_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
 
 
-def write_resolved_config(cfg, run_dir: Path) -> str:
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    (run_dir / "config.yaml").write_text(text)
-    return text
-
-
 def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
     """A LoRA adapter is only usable with its base: keep a random-init base once, for scripts/export.py."""
     base_dir = run_dir / BASE_MODEL_DIR
@@ -83,28 +79,43 @@ def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: tor
 
 def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
-    step's metrics."""
+    step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     preflight_data(cfg.data, cfg.model.path)
-    device = resolve_device(cfg.device)
-    kernels.set_backend(cfg.kernels)
-    seed_everything(cfg.seed)
-    plan = checked_plan(cfg, device)        # a job that cannot fit stops before writing anything
-    run_dir = Path(cfg.output_dir)
-    create_run_dir(run_dir)
-    with logging_to_run_dir(run_dir):
-        return run_job(cfg, training, device, plan, run_dir, auto_warmup)
+    device = rank_device(resolve_device(cfg.device))
+    world = init_world(cfg.parallel.sequence, device)
+    try:
+        kernels.set_backend(cfg.kernels)
+        kernels.set_sequence_parallel(world.sequence_group if world.sequence > 1 else None)
+        seed_everything(cfg.seed)
+        plan = checked_plan(cfg, device, ranks_per_host())  # a job that cannot fit stops before writing anything
+        # One run directory for all ranks: the default output_dir is resolved from each process's clock.
+        cfg.output_dir = world.main_value(str(cfg.output_dir))
+        run_dir = Path(cfg.output_dir)
+        if world.is_main:
+            create_run_dir(run_dir)
+        world.barrier()
+        with logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
+            return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+    finally:
+        kernels.set_sequence_parallel(None)
+        close_world(world)
 
 
-def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool) -> dict:
+def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
+            world: World = World.single()) -> dict:
     """The job of a validated `cfg` whose plan fits and whose run directory exists: resume or start, build,
-    train, checkpoint; returns the last step's metrics."""
+    train, checkpoint; returns the last step's metrics. Rank 0 alone writes the run directory (but for the
+    checkpoints, which every rank writes a part of), the metrics and W&B."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
-    loaded = checkpoint_to_resume(cfg, checkpoints)
+    loaded = checkpoint_to_resume(cfg, checkpoints, world.is_main)
+    world.barrier()     # every rank has chosen before rank 0 writes anything a choice looks at
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
-    config_yaml = write_resolved_config(cfg, run_dir)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    if world.is_main:
+        (run_dir / "config.yaml").write_text(config_yaml)
 
     built = build_model(cfg, device, plan)
     model = built.model
@@ -114,21 +125,26 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
                         tokenizer_path=cfg.model.path)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
-    keep_random_base(cfg, model, run_dir)
     progress = loaded.progress if loaded else Progress()
-    wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
-                           progress.wandb_run_id)
+    wandb_run = None
+    if world.is_main:
+        keep_random_base(cfg, model, run_dir)
+        wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                               progress.wandb_run_id)
     if wandb_run:
         progress.wandb_run_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
-    add_memory_engine_sources(metrics_log, built, device)
+    metrics_log = MetricsLog(run_dir, progress.step, wandb_run) if world.is_main else None
+    if metrics_log:
+        add_memory_engine_sources(metrics_log, built, device)
 
     trainable, total = count_parameters(model)
-    sequences = cfg.batch_size * cfg.optim.grad_accum_steps
+    sequences = cfg.batch_size * cfg.optim.grad_accum_steps * world.data_parallel
     flops = step_flops(total, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len, sequences)
     startup_summary({
         "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
                  f"device={device}, kernels={kernels.get_backend()}",
+        "processes": (f"{world.size} (sequence parallel over {world.sequence}, data parallel over "
+                      f"{world.data_parallel}); rank 0 writes the run directory" if world.distributed else "1"),
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
@@ -147,38 +163,44 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     last_checkpoint = loaded.path if loaded else None
     del loaded      # applied: free its copy of the weights and optimizer state before training
     first_step = progress.step
-    bar = ProgressBar(first_step, cfg.max_steps, cfg.logger.progress_bar)
+    bar = ProgressBar(first_step, cfg.max_steps, cfg.logger.progress_bar and world.is_main)
     record, exit_code = {"step": progress.step}, 1
     try:
         with StopSignals() as stop:
             for step in range(progress.step + 1, cfg.max_steps + 1):
                 started = time.perf_counter()
-                micro_batches = [next(stream) for _ in range(cfg.optim.grad_accum_steps)]
+                micro_batches = next_micro_batches(stream, cfg.optim.grad_accum_steps, world)
                 data_wait = time.perf_counter() - started
                 lr = scheduler.get_last_lr()[0]
                 reset_peak_memory(device)
-                result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device)
+                result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device, world)
                 wait_for_device(device)
                 step_time = time.perf_counter() - started
                 guard.record(result.applied)
                 progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
                 progress.skipped_steps = guard.skipped
-                record = metrics_log.write(step, {
+                # Every rank takes part in the reductions; rank 0 records. Memory is the highest rank's.
+                metrics = {
                     "loss": result.loss, "accuracy": result.accuracy, "lr": lr, "grad_norm": result.grad_norm,
                     "applied": result.applied, "tokens_seen": progress.tokens_seen,
                     "skipped_steps": guard.skipped, "tokens_per_s": result.tokens / step_time,
-                    "mfu": model_flops_utilization(flops, step_time, device, cfg.logger.peak_tflops),
-                    "step_time_s": step_time, "data_wait_s": data_wait, **memory_metrics(device)})
-                bar.update(record)
-                if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
-                    bar.write(step_line(record, cfg.max_steps))
+                    "mfu": model_flops_utilization(flops / world.size, step_time, device, cfg.logger.peak_tflops),
+                    "step_time_s": step_time, "data_wait_s": data_wait, **world.max(memory_metrics(device))}
+                if metrics_log:
+                    record = metrics_log.write(step, metrics)
+                    bar.update(record)
+                    if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
+                        bar.write(step_line(record, cfg.max_steps))
                 guard.stop_if_exhausted(step, last_checkpoint)
-                stopping = stop.requested    # read once: a signal arriving later is served after the next step
+                # Decided together, read once: a signal to any rank stops all after this same step; one
+                # arriving later is served after the next step.
+                stopping, due = world.any([stop.requested, checkpoints.due(step)])
                 # A skipped step left the weights untouched, so saving after it is safe; periodic saves
                 # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
-                if stopping or step == cfg.max_steps or (result.applied and checkpoints.due(step)):
+                if stopping or step == cfg.max_steps or (result.applied and due):
                     saving = time.perf_counter()
-                    last_checkpoint = checkpoints.save(model, optimizer, scheduler, stream, progress, config_yaml)
+                    last_checkpoint = checkpoints.save(model, optimizer, scheduler, stream, progress, config_yaml,
+                                                       world)
                     bar.write(f"checkpoint {last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
                 if stopping:
                     bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
@@ -188,5 +210,14 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         bar.close()
         if wandb_run:
             wandb_run.finish(exit_code)
-    end_summary(run_dir, first_step, cfg.max_steps, last_checkpoint)
+    if world.is_main:
+        end_summary(run_dir, first_step, cfg.max_steps, last_checkpoint)
     return record
+
+
+def next_micro_batches(stream, accumulation: int, world: World) -> list:
+    """This rank's micro-batches of the next step. Every rank reads the same stream, and the step's
+    accumulation x data-parallel batches are dealt out by sequence-parallel group, so the data of a step
+    does not depend on which rank reads it and the stream's state is the same on every rank (one is saved)."""
+    batches = [next(stream) for _ in range(accumulation * world.data_parallel)]
+    return batches[world.data_rank::world.data_parallel]

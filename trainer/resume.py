@@ -101,9 +101,10 @@ def set_aside_skipped(checkpoints: CheckpointManager, resumed_step: int) -> None
                     moved, resumed_step)
 
 
-def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoint | None:
+def checkpoint_to_resume(cfg, checkpoints: CheckpointManager, sets_aside: bool = True) -> LoadedCheckpoint | None:
     """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run. Nothing
-    that the run would not continue is left where its saves could overwrite or delete it."""
+    that the run would not continue is left where its saves could overwrite or delete it (`sets_aside`:
+    this process is the one that moves such checkpoints aside; the other ranks of a job only read)."""
     setting = str(cfg.resume).strip()
     if setting.lower() in FRESH:
         refuse_earlier_work(checkpoints, "a new run", cfg)
@@ -122,7 +123,7 @@ def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoin
         else:
             refuse_earlier_work(checkpoints, f"resuming {loaded.path} from another run directory", cfg)
     check_same_run(loaded, cfg)
-    if in_run_dir(loaded, checkpoints):
+    if sets_aside and in_run_dir(loaded, checkpoints):
         set_aside_skipped(checkpoints, loaded.progress.step)
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,
              loaded.progress.tokens_seen)

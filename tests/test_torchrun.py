@@ -1,0 +1,106 @@
+"""`torchrun --nproc-per-node 2 train.py ...` on the CPU (gloo): the job a user launches over several
+processes trains as one process would on the same tokens, writes one run directory, stops every rank at
+the same step when one rank gets SIGTERM, and its distributed checkpoint resumes exactly on 2 processes
+and on 1, and exports as the one-process model."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scripts.export import export
+
+from tests.jobs_support import FAST, REPO, TIMEOUT_S, losses, records, wait_for
+
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+# Full fine-tuning of the tiny model (4 query heads per rank of 2, 2 KV heads) unless a test says lora.
+JOB = FAST
+
+
+def torchrun(run_dir, *overrides: str, processes: int = 2) -> subprocess.Popen:
+    """train.py under torchrun (one process: plain python, as a user resumes on one GPU), logging to
+    <run_dir>.log."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+                if processes > 1 else [sys.executable])
+    log = open(f"{run_dir}.log", "a")
+    return subprocess.Popen([*launcher, "train.py", *JOB, f"output_dir={run_dir}", *overrides], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+
+
+def finished(process: subprocess.Popen, run_dir) -> None:
+    try:
+        code = process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        code = "timeout"
+    assert code == 0, f"exit {code}:\n{open(f'{run_dir}.log').read()[-4000:]}"
+
+
+def run(run_dir, *overrides: str, processes: int = 2) -> list[float]:
+    finished(torchrun(run_dir, *overrides, processes=processes), run_dir)
+    return losses(run_dir)
+
+
+@pytest.mark.parametrize("train, parallel, single", [
+    ("full", ["parallel.sequence=2"], []),
+    ("lora", ["parallel.sequence=2"], []),
+    # Two data-parallel ranks of one sequence each equal one process accumulating both.
+    ("full", ["parallel.sequence=1", "batch_size=1"], ["batch_size=1", "optim.grad_accum_steps=2"]),
+], ids=["sequence-parallel-full", "sequence-parallel-lora", "data-parallel-full"])
+def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path, train, parallel, single):
+    common = [f"train={train}", "max_steps=4", "checkpoint.every_steps=2"]
+    two = run(tmp_path / "two", *common, *parallel)
+    one = run(tmp_path / "one", *common, *single, processes=1)
+    assert len(two) == len(one) == 4
+    assert two == pytest.approx(one, rel=1e-5)
+    step_2 = tmp_path / "two" / "checkpoints" / "step-2"
+    assert (step_2 / "state" / ".metadata").is_file() and (step_2 / "COMPLETE").is_file()
+    assert not any(tmp_path.joinpath("two", "checkpoints").glob(".tmp-*"))
+    # The 2-process checkpoint continued by one process (a new run directory: resume=<path>).
+    resumed = run(tmp_path / "resumed", *common, *single, f"resume={step_2}", processes=1)
+    assert resumed == pytest.approx(one[2:], rel=1e-5)
+    # Exported, the 2-process model is the 1-process one.
+    exported = {name: load_file(export(tmp_path / name / "checkpoints" / "step-4", tmp_path / f"{name}-hf")
+                                / "model.safetensors") for name in ("two", "one")}
+    assert exported["two"].keys() == exported["one"].keys() and exported["one"]
+    for name, weight in exported["one"].items():
+        torch.testing.assert_close(exported["two"][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Process:
+    def found():
+        return [child for child in psutil.Process(torchrun_process.pid).children(recursive=True)
+                if child.environ().get("RANK") == str(rank)]
+    wait_for(found, f"rank {rank}'s process", torchrun_process)
+    return found()[0]
+
+
+def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly_on_two_and_on_one(tmp_path):
+    steps = ["max_steps=40", "parallel.sequence=2"]
+    uninterrupted = run(tmp_path / "uninterrupted", *steps)
+    stopped_dir = tmp_path / "stopped"
+    process = torchrun(stopped_dir, *steps)
+    rank_1 = _rank_process(process, 1)
+    wait_for(lambda: len(records(stopped_dir)) >= 2, "two steps", process)
+    rank_1.send_signal(signal.SIGTERM)
+    finished(process, stopped_dir)
+    stop = len(records(stopped_dir))
+    assert stop < 40, "the job ended before the signal: nothing was tested"
+    checkpoints = sorted(p.name for p in (stopped_dir / "checkpoints").iterdir())
+    assert checkpoints == [f"step-{stop}"]      # both ranks stopped after the same step and saved it together
+    assert losses(stopped_dir) == uninterrupted[:stop]
+
+    on_one = tmp_path / "on_one"
+    shutil.copytree(stopped_dir, on_one)
+    resumed_on_two = run(stopped_dir, *steps)
+    assert resumed_on_two == uninterrupted     # exact: same ranks, same reductions
+    resumed_on_one = run(on_one, "max_steps=40", processes=1)
+    assert resumed_on_one[:stop] == uninterrupted[:stop]
+    assert resumed_on_one[stop:] == pytest.approx(uninterrupted[stop:], rel=1e-4)
