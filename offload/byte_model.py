@@ -138,13 +138,15 @@ class Shape:
 
 
 def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool,
-                    device_type: str = "cuda", attention_kernel: str = "flash") -> dict[str, int]:
+                    device_type: str = "cuda", attention_kernel: str = "flash",
+                    sequence_parallel: int = 1) -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
     checkpointing (plain autograd) every layer is a full one and keeps its activations under it."""
     transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles), attention_kernel)
     if checkpointing:
         return transient
-    every_layer = shape.arch.num_hidden_layers * full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type)
+    every_layer = shape.arch.num_hidden_layers * full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type,
+                                                                  sequence_parallel)
     return {"all layers' activations": every_layer, **transient}
 
 
@@ -176,7 +178,8 @@ def sequence_exchange_bytes(shape: Shape, degree: int) -> int:
     return shape.tokens * heads * arch.head_dim * shape.act_bytes
 
 
-def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda") -> int:
+def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str = "cuda",
+                     sequence_parallel: int = 1) -> int:
     """Bytes autograd keeps from one "full" layer's forward to its backward, read off the ops (and pinned by
     tests/test_byte_model.py to a measurement with saved-tensor hooks, in fp32 and as the trainer runs LoRA on
     a GPU: bf16 base, fp32 adapters, bf16 autocast): the two norms' inputs (the layer input and the residual
@@ -188,11 +191,16 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     weights that the adapter products keep (2 bytes per adapter parameter of the projections above: for
     Llama-3-8B at r=16 0.8 MiB a layer with a tiled MLP, 2.5 MiB untiled; tiny but real). Llama-3-8B LoRA
     (r=16, no dropout) keeps 6.5 [tokens, hidden] activations, 6.5 times a checkpointed layer's kept input;
-    a tiled MLP still recomputes its tiles in the backward."""
+    a tiled MLP still recomputes its tiles in the backward. Sequence parallel over more than one rank
+    (`shape.tokens` this rank's slice): the attention keeps its inputs and output in the exchanged layout,
+    KV heads repeated up to the degree when fewer, and o_proj's input is the output exchanged back: one more
+    copy of the attention output (measured on 2 H200s: without it the plan ran out of memory)."""
     arch, act = shape.arch, shape.act_bytes
-    d, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
+    d, kv = arch.hidden_size, max(arch.num_key_value_heads, sequence_parallel) * arch.head_dim
     q = arch.num_attention_heads * arch.head_dim
     per_token = act * (2 * d + 2 * q + 2 * kv) + 4 * (2 + arch.num_attention_heads) + 2 * 4
+    if sequence_parallel > 1:
+        per_token += act * q
     # (names, input width, input already kept by another op): the attention output is o_proj's input.
     projections = [(("q_proj", "k_proj", "v_proj"), d, False), (("o_proj",), q, True)]
     if mlp_tiled:            # TokenTiled keeps the MLP's input only; its tiles run again in the backward

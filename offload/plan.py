@@ -141,7 +141,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
-                                attention_kernel)
+                                attention_kernel, sequence_parallel)
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
     gpu = dict(static)
@@ -151,8 +151,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         room = capacity.gpu_limit - sum(static.values()) - sum(transient.values())
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         kept = keep_layers(shape, memory_cfg, device, room, host_room)
-        kept = with_full_layers(kept, shape, full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type), room, host_room,
-                                _wanted_full_layers(memory_cfg, device))
+        full_layer = full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type, sequence_parallel)
+        kept = with_full_layers(kept, shape, full_layer, room, host_room, _wanted_full_layers(memory_cfg, device))
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)
         host.update(kept.host)

@@ -26,6 +26,12 @@ for step in "$@"; do
     full_32k) bench --seq-len 32768 --steps 3 --train full ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
+    # Several GPUs (nvidia-h200-x2): SIGTERM to one rank, resume on 2 and on 1 (deterministic kernels, so
+    # the resume on 2 is exact); then 131k LoRA on one GPU and sequence parallel on two, in one run.
+    parallel_tests) LONGCTX_TORCHRUN_JOB="device=cuda deterministic=true model=llama3_8b model.num_hidden_layers=2 train=lora seq_len=16384" \
+        LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
+        cp /tmp/bench_parallel/*.log $OUT/ ;;
     *) echo "unknown step $step" ;;
   esac
 done
