@@ -25,6 +25,7 @@ for step in "$@"; do
     train_131k) bench --seq-len 131072 --steps 2 ;;
     full_32k) bench --seq-len 32768 --steps 3 --train full ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
+    peer_64k) bench --seq-len 65536 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
     # Several GPUs (nvidia-h200-x2): SIGTERM to one rank, resume on 2 and on 1 (deterministic kernels, so
     # the resume on 2 is exact); then 131k LoRA on one GPU and sequence parallel on two, in one run.
