@@ -20,7 +20,7 @@ from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_
                                 full_layer_bytes, parameter_counts, pinned_size, sequence_exchange_bytes,
                                 transient_bytes)
 from offload.placement import keep_layers, with_full_layers
-from offload.state_layouts import layout_memory, layouts_to_try, weights_dtype
+from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
 
 
@@ -29,6 +29,7 @@ class Ranks:
     """The processes a job runs in, as far as one rank's memory is concerned."""
     sequence: int = 1      # the sequence-parallel degree: each rank holds 1/sequence of each sequence
     per_host: int = 1      # ranks on one machine, which share its host memory
+    world: int = 1         # all ranks of the job
 
 
 @dataclass
@@ -117,6 +118,8 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
     shares the host with ranks.per_host - 1 others."""
     capacity = capacity or Capacity.detect(device, memory_cfg).shared_by(ranks.per_host)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
+    if ranks.world > 1 and train_cfg.mode == "full":
+        layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states do not run over several processes yet
     for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
         plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
                             layout, attention_kernel, ranks.sequence)

@@ -16,6 +16,11 @@ import torch
 from conf.schema.train import FULL_STATE_LAYOUTS
 
 
+# Over several processes: fp32 weights and torch AdamW on each GPU (StreamedAdamW's bf16 states are not
+# reduced across ranks).
+DISTRIBUTED_LAYOUTS = ("fp32",)
+
+
 def layouts_to_try(full_state: str) -> tuple[str, ...]:
     """The layouts the planner tries, best first: all of them for "auto", else the one asked for."""
     return FULL_STATE_LAYOUTS if full_state == "auto" else (full_state,)

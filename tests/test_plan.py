@@ -362,3 +362,26 @@ def test_no_attention_output_or_full_layer_where_the_reference_attention_runs():
         plan_for(forced, torch.device("cpu"))
     with pytest.raises(ConfigError, match="memory.full_layers=2 needs the Triton attention"):
         plan_for(forced_full, torch.device("cpu"))
+
+
+def test_a_sequence_parallel_rank_plans_its_slice_its_exchange_and_its_share_of_the_host():
+    from offload.byte_model import sequence_exchange_bytes
+    from offload.plan import Ranks
+    whole = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 131072, 1, CUDA, H100_HOST)
+    rank = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 262144, 1, CUDA,
+                       H100_HOST.shared_by(2), ranks=Ranks(sequence=2, per_host=2, world=2))
+    assert rank.shape.tokens == whole.shape.tokens == 131072
+    assert rank.capacity.host == H100_HOST.host // 2 and rank.capacity.gpu == H100_HOST.gpu
+    assert rank.gpu["sequence-parallel exchange"] == sequence_exchange_bytes(rank.shape, 2) > 0
+    # A full layer keeps the attention output twice: in the exchanged layout and as o_proj's input.
+    assert (full_layer_bytes(rank.shape, LORA, True, sequence_parallel=2)
+            - full_layer_bytes(rank.shape, LORA, True)) == 131072 * 4096 * 2
+
+
+def test_full_fine_tuning_over_several_processes_plans_fp32_state_only():
+    from offload.plan import Ranks
+    full = SimpleNamespace(mode="full", full_state="auto")
+    one = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST)
+    two = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST, ranks=Ranks(2, 1, 2))
+    assert one.fits and one.full_state != "fp32"
+    assert two.full_state == "fp32" and not two.fits

@@ -137,3 +137,15 @@ def test_parallel_settings_are_checked(overrides, message):
         cfg = compose("config", overrides=overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_streamed_full_fine_tuning_states_are_refused_over_several_processes(monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from conf.schema import register_configs
+    from conf.validate import validate
+    register_configs()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["train=full", "train.full_state=bf16", "parallel.sequence=2"])
+    with pytest.raises(ConfigError, match="train.full_state=bf16 does not run over several processes"):
+        validate(cfg)

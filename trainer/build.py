@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 import kernels
 from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
+from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from model.lora import fuse_adapter_products
@@ -39,11 +40,12 @@ def model_architecture(cfg) -> LlamaConfig:
 
 def plan_for(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
     """The memory plan of a validated `cfg` on `device`, for one of its ranks (parallel.sequence of them per
-    sequence; `per_host` sharing this host's memory)."""
+    sequence, so at least that many in the world; `per_host` sharing this host's memory)."""
     arch = model_architecture(cfg)
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
                        attention_kernels=attention_kernels(cfg, device),
-                       ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host))
+                       ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
+                                   world=max(world_size(), cfg.parallel.sequence)))
 
 
 def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:

@@ -39,6 +39,10 @@ def check_parallel(cfg) -> None:
     if cfg.seq_len % degree:
         raise ConfigError(f"seq_len={cfg.seq_len} must be a multiple of parallel.sequence={degree}: each rank "
                           f"holds an equal slice")
+    if world > 1 and cfg.train.mode == "full" and cfg.train.full_state not in ("auto", "fp32"):
+        raise ConfigError(f"train.full_state={cfg.train.full_state} does not run over several processes yet (its "
+                          f"bf16 optimizer states are not reduced across ranks): use train.full_state=fp32 (16 "
+                          f"bytes per parameter on each GPU), or train=lora")
     heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
     if not heads_split(heads, kv_heads, degree):
         raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide the model's "
