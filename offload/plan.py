@@ -17,8 +17,8 @@ import torch
 
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                full_layer_bytes, parameter_counts, pinned_size, sequence_exchange_bytes,
-                                transient_bytes)
+                                full_layer_bytes, parameter_counts, pinned_size, projection_shapes,
+                                sequence_exchange_bytes, transient_bytes)
 from offload.placement import keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
@@ -30,6 +30,7 @@ class Ranks:
     sequence: int = 1      # the sequence-parallel degree: each rank holds 1/sequence of each sequence
     per_host: int = 1      # ranks on one machine, which share its host memory
     world: int = 1         # all ranks of the job
+    shard: bool = False    # FSDP2 (parallel.shard): the full fine-tuning state split over the world
 
 
 @dataclass
@@ -122,7 +123,7 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
         layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states do not run over several processes yet
     for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
         plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
-                            layout, attention_kernel, ranks.sequence)
+                            layout, attention_kernel, ranks)
         if plan.fits:
             break
     if with_advice and not plan.fits:
@@ -131,13 +132,15 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
 
 
 def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
-                 full_state: str | None, attention_kernel: str, sequence_parallel: int) -> MemoryPlan:
+                 full_state: str | None, attention_kernel: str, ranks: Ranks) -> MemoryPlan:
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
+    sequence_parallel, sharded = ranks.sequence, ranks.shard and full_state is not None and ranks.world > 1
     total, trainable = parameter_counts(arch, train_cfg)
     frozen = total - trainable
-    trainable_gpu, trainable_host = (layout_memory(full_state, trainable) if full_state else
+    own = -(-trainable // ranks.world) if sharded else trainable
+    trainable_gpu, trainable_host = (layout_memory(full_state, own) if full_state else
                                      ({"trainable params+grads+adam": trainable * TRAINABLE_BYTES}, {}))
     trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
@@ -147,6 +150,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
                                 attention_kernel, sequence_parallel)
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
+    if sharded:
+        transient["FSDP gathered weights+grads"] = gathered_bytes(arch, weights_dtype(full_state).itemsize)
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
@@ -162,6 +167,16 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     gpu.update(transient)
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
                       attention_kernel=attention_kernel)
+
+
+def gathered_bytes(arch: LlamaConfig, weight_bytes: int) -> int:
+    """FSDP2 (trainer.sharding) at its widest: the root's embeddings and head, gathered from the forward to
+    the backward, and two layers' weights (one in use, the next prefetched), each with an unsharded gradient
+    before its reduce-scatter."""
+    d = arch.hidden_size
+    embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
+    layer = sum(i * o for i, o in projection_shapes(arch).values()) + 2 * d
+    return 2 * (embeddings + 2 * layer) * weight_bytes
 
 
 def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:

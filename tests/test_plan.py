@@ -385,3 +385,15 @@ def test_full_fine_tuning_over_several_processes_plans_fp32_state_only():
     two = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST, ranks=Ranks(2, 1, 2))
     assert one.fits and one.full_state != "fp32"
     assert two.full_state == "fp32" and not two.fits
+
+
+def test_sharded_full_fine_tuning_holds_its_share_of_the_state_and_the_gathered_layers():
+    from offload.plan import Ranks, gathered_bytes
+    full = SimpleNamespace(mode="full", full_state="fp32")
+    replicated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST, ranks=Ranks(2, 1, 2))
+    sharded = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST,
+                          ranks=Ranks(2, 1, 2, shard=True))
+    state = "fp32 weights+grads+adam"
+    assert sharded.gpu[state] == 16 * -(-parameter_counts(LLAMA3_8B, full)[1] // 2) == replicated.gpu[state] // 2
+    assert sharded.gpu["FSDP gathered weights+grads"] == gathered_bytes(LLAMA3_8B, 4)
+    assert "FSDP gathered weights+grads" not in replicated.gpu

@@ -45,7 +45,7 @@ def plan_for(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
                        attention_kernels=attention_kernels(cfg, device),
                        ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
-                                   world=max(world_size(), cfg.parallel.sequence)))
+                                   world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard))
 
 
 def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from conf.schema.parallel import world_size
 
@@ -90,7 +91,8 @@ class World:
         collectives); the loss was already divided by the world's supervised tokens."""
         if not self.distributed:
             return
-        grads = [p.grad for p in parameters if p.grad is not None]
+        # A sharded parameter's gradient (a DTensor) was summed by FSDP2's reduce-scatter already.
+        grads = [p.grad for p in parameters if p.grad is not None and not isinstance(p.grad, DTensor)]
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:
             by_kind.setdefault((grad.dtype, grad.device), []).append(grad)

@@ -36,6 +36,7 @@ from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.resume import checkpoint_to_resume, keep_started_warmup
+from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
 from trainer.wandb_run import open_wandb
@@ -119,6 +120,8 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
     built = build_model(cfg, device, plan)
     model = built.model
+    if cfg.parallel.shard and world.distributed:
+        shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
     stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
@@ -144,7 +147,8 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
                  f"device={device}, kernels={kernels.get_backend()}",
         "processes": (f"{world.size} (sequence parallel over {world.sequence}, data parallel over "
-                      f"{world.data_parallel}); rank 0 writes the run directory" if world.distributed else "1"),
+                      f"{world.data_parallel}{sharding(model)}); rank 0 writes the run directory"
+                      if world.distributed else "1"),
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",

@@ -5,6 +5,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from data import IGNORE_INDEX, Batch
 from model import unwrap_llama
@@ -53,7 +54,8 @@ def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gra
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     if hasattr(optimizer, "clip_grad_norm_"):
         return optimizer.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm     # over sharded gradients (FSDP2)
 
 
 def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: torch.optim.Optimizer,
@@ -81,9 +83,10 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
         with autocast(device):
             hidden = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens)
             loss = lm.loss(hidden, batch.labels, reduction="sum") / max(supervised, 1)
+        # Before the backward: a sharded (FSDP2) head is whole from the forward until its gradient is taken.
+        tally = supervised_correct(model, hidden.detach(), batch.labels)
         loss.backward()
         total_loss += float(loss.detach())
-        tally = supervised_correct(model, hidden.detach(), batch.labels)
         if tally is None:
             unmeasurable += 1
         else:
