@@ -3,8 +3,9 @@
 Plans for the GPU and host of this machine. Elsewhere name the target GPU, `memory.gpu=a100_80gb|h100_80gb|
 h200`, or give its size, `memory.gpu_memory_gib=79.2`, and the host's, `memory.host_memory_gib=125`; on a
 machine without a GPU the plan is for an H100 80GB on a 125 GiB host unless told otherwise (it says so).
-Several GPUs: `parallel.sequence=8` plans one of 8 sequence-parallel ranks, which share one host unless
-LOCAL_WORLD_SIZE (as torchrun sets it: the ranks per machine) says otherwise.
+Several GPUs: `parallel.sequence=8` plans one of 8 sequence-parallel ranks; WORLD_SIZE=N (as torchrun sets
+it) plans one of N ranks (data parallel beyond the sequence degree; `parallel.shard=true` shards full
+fine-tuning over all N). The ranks share one host unless LOCAL_WORLD_SIZE (the ranks per machine) says otherwise.
 Exits 1 when the plan does not fit, 2 when it cannot be made (the message names the setting to give).
 """
 import os
@@ -18,6 +19,7 @@ import torch  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
+from conf.schema.parallel import world_size  # noqa: E402
 from conf.validate import check_known_keys  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
@@ -47,10 +49,11 @@ def main(cfg) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             print(plan_without_a_gpu(cfg.memory))
         resolve_gpu_preset(cfg.memory)
-        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.sequence))
-        if cfg.parallel.sequence > 1 or per_host > 1:
-            print(f"planning one rank of {cfg.parallel.sequence} per sequence, {per_host} per host sharing its "
-                  f"memory (LOCAL_WORLD_SIZE= to change)")
+        world = max(world_size(), cfg.parallel.sequence)
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world > 1:
+            print(f"planning one rank of {world} (WORLD_SIZE=), {cfg.parallel.sequence} per sequence, {per_host} "
+                  f"per host sharing its memory (LOCAL_WORLD_SIZE=)")
         plan = plan_for(cfg, device, per_host)
     except ValueError as error:   # bad settings (ConfigError), or a checkpoint's config.json that cannot be read
         print(f"cannot plan: {error}", file=sys.stderr)

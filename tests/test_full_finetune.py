@@ -18,6 +18,7 @@ from offload.policy import apply_memory_policy
 from offload.units import GIB
 from trainer.streamed_adamw import StreamedAdamW, update_units
 from trainer.optim import build_optimizer
+from trainer.sharded_state import load_sharded_state, save_sharded_state
 from trainer.step import train_step
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -155,6 +156,26 @@ def test_state_dict_round_trip_continues_identically():
     for param, expected in zip(restored_model.parameters(), model.parameters()):
         assert torch.equal(param, expected)         # same state, same stochastic-rounding draws
 
+
+
+@pytest.mark.parametrize("grads_on_host", [True, False], ids=["host-grads", "gpu-grads"])
+def test_a_distributed_checkpoint_of_fp32_adamw_resumes_into_streamed_states(tmp_path, grads_on_host):
+    """A job over several processes saves fp32 AdamW state through DCP; resumed on one GPU that plans bf16
+    states, every moment arrives (a fresh StreamedAdamW has none for DCP to load into until init_state)."""
+    model = tiny_model()
+    adamw = build_optimizer(model, OPTIM, "fp32")
+    run_steps(model, adamw, steps=2)
+    save_sharded_state(tmp_path / "state", model, adamw)
+    resumed_model = tiny_model(torch.bfloat16)
+    resumed = streamed(resumed_model, grads_on_host)
+    load_sharded_state(tmp_path / "state", resumed_model, resumed)
+    for (name, param), saved in zip(resumed_model.named_parameters(), model.parameters()):
+        state, expected = resumed.state[param], adamw.state[saved]
+        assert int(state["step"]) == 2, name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert state[moment].dtype == torch.bfloat16
+            torch.testing.assert_close(state[moment].float(), expected[moment], rtol=1e-2, atol=1e-12, msg=name)
+        torch.testing.assert_close(param.float(), saved, rtol=1e-2, atol=1e-3, msg=name)
 
 def demo_losses(model, optimizer, steps=300, batch_size=4, seq_len=64):
     task = RecallTask(RECALL, seq_len, batch_size, 0, TINY["vocab_size"])

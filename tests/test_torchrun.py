@@ -73,6 +73,10 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
     # The 2-process checkpoint continued by one process (a new run directory: resume=<path>).
     resumed = run(tmp_path / "resumed", *common, *single, f"resume={step_2}", processes=1)
     assert resumed == pytest.approx(one[2:], rel=1e-5)
+    # And the 1-process checkpoint by two (sharded: each rank takes its part of the whole tensors).
+    resumed = run(tmp_path / "resumed-on-two", *common, *parallel,
+                  f"resume={tmp_path / 'one' / 'checkpoints' / 'step-2'}")
+    assert resumed == pytest.approx(one[2:], rel=1e-5)
     # Exported, the 2-process model is the 1-process one.
     exported = {name: load_file(export(tmp_path / name / "checkpoints" / "step-4", tmp_path / f"{name}-hf")
                                 / "model.safetensors") for name in ("two", "one")}

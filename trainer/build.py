@@ -14,6 +14,7 @@ from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
 from model.lora import fuse_adapter_products
+from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
@@ -38,11 +39,13 @@ def model_architecture(cfg) -> LlamaConfig:
     return architecture(cfg.model)
 
 
-def plan_for(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
+def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None) -> MemoryPlan:
     """The memory plan of a validated `cfg` on `device`, for one of its ranks (parallel.sequence of them per
-    sequence, so at least that many in the world; `per_host` sharing this host's memory)."""
+    sequence, so at least that many in the world; `per_host` sharing this host's memory), or for `capacity`
+    (one rank's share, as trainer.loop agrees it over the ranks)."""
     arch = model_architecture(cfg)
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
+                       capacity=capacity,
                        attention_kernels=attention_kernels(cfg, device),
                        ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
                                    world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard))
@@ -102,10 +105,10 @@ class Built:
     policy: MemoryPolicy
 
 
-def checked_plan(cfg, device: torch.device, per_host: int = 1) -> MemoryPlan:
+def checked_plan(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None) -> MemoryPlan:
     """The memory plan of a validated `cfg` (plan_for); ConfigError with the numbers and what helps when it
     does not fit (unless memory.check=false). Asked before anything is built or written."""
-    plan = plan_for(cfg, device, per_host)
+    plan = plan_for(cfg, device, per_host, capacity)
     if cfg.memory.check and not plan.fits:
         raise ConfigError(plan_failure(cfg, plan))
     return plan

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weights
 from storage.atomic import atomic_write_text
 from trainer.distributed import World
-from trainer.rng_state import capture_rng_state
+from trainer.rng_state import capture_rng_state, own_cuda_rng_state
 from trainer.sharded_state import STATE_DIR, save_sharded_state
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -86,8 +86,10 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
     """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later. Over
     several processes (collective: every rank calls it) the trainable weights and optimizer state go to
     state/ through DCP (trainer.sharded_state), and rank 0 writes the rest, the adapter included."""
+    cuda_by_rank = None
     if world.distributed:
         save_sharded_state(directory / STATE_DIR, model, optimizer)
+        cuda_by_rank = world.gather(own_cuda_rng_state())
         if not world.is_main:
             return
     if is_lora(model):
@@ -98,7 +100,7 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
         save_weights(full_weights(model), directory)
     if not world.distributed:
         torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-    torch.save({"scheduler": scheduler.state_dict(), "rng": capture_rng_state(), "data": data.state_dict()},
+    torch.save({"scheduler": scheduler.state_dict(), "rng": capture_rng_state(cuda_by_rank), "data": data.state_dict()},
                directory / STATE_FILE)
     (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress) | {"saved_at": time.time()}, indent=1))
     (directory / CONFIG_FILE).write_text(config_yaml)

@@ -24,7 +24,8 @@ from trainer.disk_space import check_free_disk, checkpoint_size
 from trainer.optim import continue_schedule
 from trainer.distributed import World
 from trainer.rng_state import restore_rng_state
-from trainer.sharded_state import load_sharded_state
+from trainer.sharded_state import load_full_state, load_sharded_state
+from trainer.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +70,28 @@ class CheckpointManager:
         path. Over several processes every rank calls it: each writes its part, and rank 0 renames the
         directory into place and writes the marker once all have written."""
         final = step_dir(self.root, progress.step)
-        if world.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{TEMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
-            check_free_disk(self.root, checkpoint_size(model, optimizer))
+        size = checkpoint_size(model, optimizer)
+        world.on_main(lambda: self._prepare(size))
         if world.distributed:
             self._write_together(final, world, lambda temp: write_checkpoint(
                 temp, model, optimizer, scheduler, data, progress, config_yaml, world))
         else:
             with atomic_directory(final) as temp:
                 write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
-        if world.is_main:
-            write_complete_marker(final)
-            self.prune()
-        world.barrier()     # no rank goes on (to a resume, or the next save) before the checkpoint is complete
+        # No rank goes on (to a resume, or the next save) before the checkpoint is complete.
+        world.on_main(lambda: self._complete(final))
         self.restart_interval(progress.step)
         return final
+
+    def _prepare(self, size: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{TEMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
+        check_free_disk(self.root, size)
+
+    def _complete(self, final: Path) -> None:
+        write_complete_marker(final)
+        self.prune()
 
     @staticmethod
     def _write_together(final: Path, world: World, write) -> None:
@@ -94,8 +100,7 @@ class CheckpointManager:
         temp = world.main_value(fresh_temp_directory(final, "ranks") if world.is_main else None)
         write(temp)
         world.barrier()
-        if world.is_main:
-            publish_directory(temp, final)
+        world.on_main(lambda: publish_directory(temp, final))
 
     def prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). A directory that is not a
@@ -150,7 +155,7 @@ class CheckpointManager:
         return None
 
     def restore(self, loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler, data, force: bool = False) -> Progress:
+                scheduler, data, force: bool = False, world: World = World.single()) -> Progress:
         """Put model, optimizer, data pipeline and RNGs back in the checkpoint's state, and the scheduler at
         its step (of this job's schedule); `force` (resume_force) accepts a data state saved for other data."""
         if loaded.state_dir is not None:
@@ -159,7 +164,7 @@ class CheckpointManager:
             self._restore_files(loaded, model, optimizer)
         continue_schedule(scheduler, loaded.trainer_state["scheduler"])
         data.load_state_dict(loaded.trainer_state["data"], force=force)
-        restore_rng_state(loaded.trainer_state["rng"])
+        restore_rng_state(loaded.trainer_state["rng"], world.rank, world.size)
         return loaded.progress
 
     @staticmethod
@@ -183,6 +188,9 @@ class CheckpointManager:
         elif (loaded.path / ADAPTER_DIR).is_dir():
             raise CheckpointError(f"{loaded.path} holds a LoRA adapter but train.mode=full: resume with "
                                   f"train=lora")
+        elif is_sharded(model):     # a one-process checkpoint resumed over several (FSDP2): each rank its shard
+            load_full_state(model, optimizer, loaded.weights, loaded.optimizer)
+            return
         else:
             # A tied head is saved once, as the embedding (full_weights): the only key allowed to be absent.
             result = model.load_state_dict(loaded.weights, strict=False)

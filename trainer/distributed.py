@@ -18,6 +18,10 @@ from torch.distributed.tensor import DTensor
 from conf.schema.parallel import world_size
 
 
+class MainRankFailed(RuntimeError):
+    """Rank 0 failed at something only it does (World.on_main); this rank stops with it."""
+
+
 @dataclass
 class World:
     rank: int
@@ -66,17 +70,52 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def on_main(self, action) -> None:
+        """Run `action` (a write to the run directory) on rank 0 alone and let every rank learn how it went:
+        when it raises, rank 0 raises its error and the others MainRankFailed with its message, instead of
+        waiting in the next collective for a rank that has gone. A barrier too: no rank returns before rank 0
+        has finished."""
+        if not self.distributed:
+            action()
+            return
+        failure = None
+        if self.is_main:
+            try:
+                action()
+            except Exception as error:      # every rank must hear of it, whatever it is
+                failure = error
+        message = self.main_value(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise MainRankFailed(f"rank 0 failed, so rank {self.rank} stops too: {message}")
+
+    def gather(self, value) -> list:
+        """Every rank's `value` (a picklable object), by rank, on every rank."""
+        if not self.distributed:
+            return [value]
+        values = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
     def any(self, flags: list[bool]) -> list[bool]:
         """Each flag true on any rank: decisions every rank must take together (stop, checkpoint now)."""
         return [total > 0 for total in self.sum([float(flag) for flag in flags])]
 
     def max(self, values: dict[str, float]) -> dict[str, float]:
         """Each value's maximum over the ranks (memory peaks)."""
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def min(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value's minimum over the ranks (the memory every rank can plan with)."""
+        return self._reduce(values, dist.ReduceOp.MIN)
+
+    def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
         if not self.distributed:
             return values
-        highest = torch.tensor(list(values.values()), dtype=torch.float64, device=_reduce_device())
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-        return dict(zip(values, highest.tolist()))
+        reduced = torch.tensor(list(values.values()), dtype=torch.float64, device=_reduce_device())
+        dist.all_reduce(reduced, op=op)
+        return dict(zip(values, reduced.tolist()))
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over every rank (fp64, so token counts stay exact)."""

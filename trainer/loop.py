@@ -8,6 +8,7 @@ trainer.console (what is recorded and shown).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -22,6 +23,7 @@ from conf.schema.job import resolve_device
 from conf.validate import ConfigError, validate
 from data import build_data, preflight_data
 from model.hf_checkpoint import full_weights, is_lora
+from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.build import Built, build_model, checked_plan, count_parameters
@@ -30,7 +32,7 @@ from trainer.checkpoint_manager import CheckpointManager
 from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
                              step_line)
 from trainer.disk_space import save_hf_model_if_room
-from trainer.distributed import World, close_world, init_world, rank_device, ranks_per_host
+from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -90,13 +92,12 @@ def train(cfg) -> dict:
         kernels.set_backend(cfg.kernels)
         kernels.set_sequence_parallel(world.sequence_group if world.sequence > 1 else None)
         seed_everything(cfg.seed)
-        plan = checked_plan(cfg, device, ranks_per_host())  # a job that cannot fit stops before writing anything
+        # A job that cannot fit stops before writing anything.
+        plan = checked_plan(cfg, device, capacity=agreed_capacity(cfg, device, world))
         # One run directory for all ranks: the default output_dir is resolved from each process's clock.
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
-        if world.is_main:
-            create_run_dir(run_dir)
-        world.barrier()
+        world.on_main(lambda: create_run_dir(run_dir))
         with logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
             return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
     finally:
@@ -115,8 +116,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    if world.is_main:
-        (run_dir / "config.yaml").write_text(config_yaml)
+    world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
 
     built = build_model(cfg, device, plan)
     model = built.model
@@ -124,8 +124,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
-    stream = build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, model.config.vocab_size,
-                        tokenizer_path=cfg.model.path)
+    stream = data_stream(cfg, model.config.vocab_size, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
@@ -160,7 +159,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     })
     if loaded:
         # Last, so the RNG streams continue exactly where the checkpoint left them.
-        checkpoints.restore(loaded, model, optimizer, scheduler, stream, force=cfg.resume_force)
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
 
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
     checkpoints.restart_interval(progress.step)
@@ -217,6 +216,26 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     if world.is_main:
         end_summary(run_dir, first_step, cfg.max_steps, last_checkpoint)
     return record
+
+
+def agreed_capacity(cfg, device: torch.device, world: World) -> Capacity:
+    """This rank's share of its machine's memory, lowered to the smallest share of any rank: every rank must
+    make the same plan, as a layer recomputed on one rank and not on another would exchange its attention
+    (sequence parallelism) in a collective the other never joins."""
+    mine = Capacity.detect(device, cfg.memory).shared_by(ranks_per_host())
+    smallest = world.min({"gpu": mine.gpu, "host": mine.host, "pinnable": mine.pinnable})
+    return dataclasses.replace(mine, **{name: int(value) for name, value in smallest.items()})
+
+
+def data_stream(cfg, vocab_size: int, world: World):
+    """The batch stream; over several processes the first rank of each machine builds it first (tokenizing
+    files into the datasets cache) and the others then read that cache instead of tokenizing again."""
+    def build():
+        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path)
+    first = local_rank() == 0
+    stream = build() if first else None
+    world.barrier()
+    return stream if first else build()
 
 
 def next_micro_batches(stream, accumulation: int, world: World) -> list:

@@ -44,10 +44,36 @@ def save_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch
 def load_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what save_sharded_state wrote, on any number of processes, into `model` and `optimizer`;
     raises when the checkpoint lacks a tensor of this model (other train.* settings)."""
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()      # StreamedAdamW: the moments DCP loads into must exist first
     state = _state(model, optimizer)
     _quietly(dcp.load, state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=OPTIONS)
+    _check_every_parameter_has_state(model, optimizer)
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                    optimizer_state: dict) -> None:
+    """Load a one-process checkpoint (whole weights by name; `optimizer_state` as torch's state_dict(),
+    by parameter index) into a sharded (FSDP2) `model` and its optimizer: each rank keeps its shard."""
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    by_name = {"state": {names[index]: state for index, state in optimizer_state["state"].items()},
+               "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                                for group in optimizer_state["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    _check_every_parameter_has_state(model, optimizer)
+
+
+def _check_every_parameter_has_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A loader that matched no state to a parameter would restart its moments silently: refuse instead."""
+    missing = [name for name, param in model.named_parameters()
+               if param.requires_grad and not optimizer.state.get(param)]
+    if missing:
+        raise ValueError(f"the checkpoint's optimizer state left {len(missing)} trainable parameters without "
+                         f"moments (first: {missing[:3]})")
 
 
 def sharded_weights(directory: Path) -> dict[str, torch.Tensor]:

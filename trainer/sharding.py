@@ -32,6 +32,11 @@ def shard_model(model: torch.nn.Module, world: World, device: torch.device) -> N
         module.set_force_sum_reduction_for_comms(True)
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter of `model` is split over the ranks (shard_model)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def sharding(model: torch.nn.Module) -> str:
     """What the startup summary says: how the model's parameters are held, as they are."""
     sharded = sum(p.numel() for p in model.parameters() if isinstance(p, DTensor))

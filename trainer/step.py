@@ -5,6 +5,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from data import IGNORE_INDEX, Batch
@@ -70,9 +71,6 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
     of the world's batches.
     """
     optimizer.zero_grad(set_to_none=True)
-    if world.distributed and hasattr(optimizer, "clip_grad_norm_"):
-        raise NotImplementedError("the streamed bf16 optimizer states of full fine-tuning do not run over several "
-                                  "processes yet: use train=lora, or train.full_state=fp32 with one process")
     # A sequence-parallel group shares its batches: count them once per group.
     supervised, tokens = (int(total) // world.sequence for total in world.sum(
         [sum(b.num_supervised for b in micro_batches), sum(b.num_tokens for b in micro_batches)]))
@@ -83,9 +81,13 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
         with autocast(device):
             hidden = model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens)
             loss = lm.loss(hidden, batch.labels, reduction="sum") / max(supervised, 1)
-        # Before the backward: a sharded (FSDP2) head is whole from the forward until its gradient is taken.
-        tally = supervised_correct(model, hidden.detach(), batch.labels)
+        # A sharded (FSDP2) head is whole only from the forward until its gradient is taken: tally before the
+        # backward there. Elsewhere after it, when the backward's transients (GiBs at 8B) are gone.
+        head_sharded = isinstance(lm, FSDPModule)
+        tally = supervised_correct(model, hidden.detach(), batch.labels) if head_sharded else None
         loss.backward()
+        if not head_sharded:
+            tally = supervised_correct(model, hidden.detach(), batch.labels)
         total_loss += float(loss.detach())
         if tally is None:
             unmeasurable += 1

@@ -159,11 +159,23 @@ class StreamedAdamW(torch.optim.Optimizer):
             return self.host.load(params)
         return {p: p.grad for p in params if p.grad is not None}
 
-    def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict) -> None:
+    def init_state(self) -> None:
+        """Zero moments at step 0 for every parameter that has none: what a loader (DCP) fills in place.
+        (torch's own stand-in, a step on zero gradients, creates none here: with host gradients the step
+        reads only the gradients the backward stored.)"""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._state_of(param)
+
+    def _state_of(self, param: nn.Parameter) -> dict:
         state = self.state[param]
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
                          exp_avg_sq=torch.zeros_like(param))
+        return state
+
+    def _update(self, param: nn.Parameter, grad: torch.Tensor, group: dict) -> None:
+        state = self._state_of(param)
         state["step"] += 1
         step = int(state["step"].item())
         beta1, beta2 = group["betas"]

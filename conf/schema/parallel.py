@@ -16,8 +16,8 @@ from conf.errors import ConfigError
 @dataclass
 class ParallelConfig:
     sequence: int = 1
-    # FSDP2: split each layer's weights, gradients and optimizer state over the world (train=full); one
-    # process: nothing to split, ignored.
+    # FSDP2: split each layer's weights, gradients and optimizer state over the world (train=full only;
+    # with one process there is nothing to split and it is ignored).
     shard: bool = False
 
 

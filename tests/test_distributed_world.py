@@ -1,0 +1,84 @@
+"""trainer.distributed.World over 2 gloo processes: a failure of what rank 0 alone does reaches every rank,
+and the reductions every rank plans with agree."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.distributed import MainRankFailed, World, world_of
+
+
+def _disk_full():
+    raise OSError(28, "No space left on device")
+
+
+def _worker(rank: int, init_file: str, failures):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        world = world_of(rank, 2, 1)
+        written = []
+        world.on_main(lambda: written.append(rank))
+        assert written == ([0] if rank == 0 else [])
+        try:
+            world.on_main(_disk_full)
+        except OSError as error:
+            assert rank == 0 and error.errno == 28
+        except MainRankFailed as error:
+            assert rank == 1 and "rank 0 failed, so rank 1 stops too: OSError" in str(error)
+            assert "No space left on device" in str(error)
+        else:
+            raise AssertionError("rank 0's failure did not reach this rank")
+        assert world.min({"gpu": 80.0 - rank, "host": 100.0 + rank}) == {"gpu": 79.0, "host": 100.0}
+        assert world.max({"gpu": 80.0 - rank}) == {"gpu": 80.0}
+        assert world.gather(f"state of {rank}") == ["state of 0", "state of 1"]
+    except BaseException as error:      # reported to the parent, which fails the test with it
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_zeros_failure_reaches_every_rank_and_reductions_agree():
+    context = mp.get_context("spawn")
+    failures = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as directory:
+        processes = [context.Process(target=_worker, args=(rank, os.path.join(directory, "init"), failures))
+                     for rank in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=120)
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    assert not messages, "\n".join(messages)
+    assert [process.exitcode for process in processes] == [0, 0]
+
+
+def test_one_process_runs_the_action_and_raises_its_error():
+    world, ran = World.single(), []
+    world.on_main(lambda: ran.append(True))
+    assert ran == [True]
+    with pytest.raises(OSError, match="No space"):
+        world.on_main(_disk_full)
+
+
+def test_each_rank_gets_its_own_gpu_generator_back(monkeypatch, caplog):
+    """The checkpoint holds every rank's GPU generator (the writing rank sees only its own GPU's advance);
+    on the same world size rank r gets state r, on another none is restored, with a warning."""
+    import torch
+    from trainer.rng_state import capture_rng_state, restore_rng_state
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    by_rank = [torch.tensor([0], dtype=torch.uint8), torch.tensor([1], dtype=torch.uint8)]
+    state = capture_rng_state(by_rank)
+    restore_rng_state(state, rank=1, world_size=2)
+    assert restored == [by_rank[1]]
+    restore_rng_state(state, rank=0, world_size=1)
+    assert restored == [by_rank[1]] and "GPU RNG states of 2 processes, this job runs 1" in caplog.text
