@@ -136,12 +136,13 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
-    sequence_parallel, sharded = ranks.sequence, ranks.shard and full_state is not None and ranks.world > 1
+    sequence_parallel, sharded = ranks.sequence, ranks.shard and ranks.world > 1
     total, trainable = parameter_counts(arch, train_cfg)
     frozen = total - trainable
-    own = -(-trainable // ranks.world) if sharded else trainable
+    # FSDP2 (trainer.sharding) leaves each rank 1/world of every weight, trained or frozen.
+    own, frozen = (-(-trainable // ranks.world), -(-frozen // ranks.world)) if sharded else (trainable, frozen)
     trainable_gpu, trainable_host = (layout_memory(full_state, own) if full_state else
-                                     ({"trainable params+grads+adam": trainable * TRAINABLE_BYTES}, {}))
+                                     ({"trainable params+grads+adam": own * TRAINABLE_BYTES}, {}))
     trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
@@ -150,8 +151,10 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
                                 attention_kernel, sequence_parallel)
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
-    if sharded:
+    if sharded and full_state:
         transient["FSDP gathered weights+grads"] = gathered_bytes(arch, weights_dtype(full_state).itemsize)
+    elif sharded:       # LoRA: the frozen base has no gradients (the adapters' are small)
+        transient["FSDP gathered weights"] = gathered_bytes(arch, shape.act_bytes if lora_on_gpu else 4, False)
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
@@ -169,14 +172,14 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
                       attention_kernel=attention_kernel)
 
 
-def gathered_bytes(arch: LlamaConfig, weight_bytes: int) -> int:
+def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True) -> int:
     """FSDP2 (trainer.sharding) at its widest: the root's embeddings and head, gathered from the forward to
-    the backward, and two layers' weights (one in use, the next prefetched), each with an unsharded gradient
-    before its reduce-scatter."""
+    the backward, and two layers' weights (one in use, the next prefetched), each (`gradients`) with an
+    unsharded gradient before its reduce-scatter."""
     d = arch.hidden_size
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
     layer = sum(i * o for i, o in projection_shapes(arch).values()) + 2 * d
-    return 2 * (embeddings + 2 * layer) * weight_bytes
+    return (2 if gradients else 1) * (embeddings + 2 * layer) * weight_bytes
 
 
 def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:

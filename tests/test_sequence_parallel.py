@@ -127,7 +127,6 @@ def test_a_batch_shard_is_its_slice_with_the_whole_sequences_documents():
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.sequence=2"], "must divide the 1 processes"),
     (["parallel.sequence=0"], "must be at least 1"),
-    (["train=lora", "parallel.shard=true"], "shards full fine-tuning"),
 ])
 def test_parallel_settings_are_checked(overrides, message):
     from hydra import compose, initialize_config_dir

@@ -24,7 +24,8 @@ from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weight
 from storage.atomic import atomic_write_text
 from trainer.distributed import World
 from trainer.rng_state import capture_rng_state, own_cuda_rng_state
-from trainer.sharded_state import STATE_DIR, save_sharded_state
+from trainer.sharded_state import STATE_DIR, save_sharded_state, trainable_weights
+from trainer.sharding import is_sharded
 
 CHECKPOINTS_DIR = "checkpoints"
 # In the run directory, not per checkpoint: the random-init base of a LoRA run, kept once for export.
@@ -87,15 +88,18 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
     several processes (collective: every rank calls it) the trainable weights and optimizer state go to
     state/ through DCP (trainer.sharded_state), and rank 0 writes the rest, the adapter included."""
     cuda_by_rank = None
+    adapter = None
     if world.distributed:
         save_sharded_state(directory / STATE_DIR, model, optimizer)
         cuda_by_rank = world.gather(own_cuda_rng_state())
+        # Sharded adapters (FSDP2) are gathered whole for adapter/ (collective); replicated ones are whole.
+        adapter = trainable_weights(model) if is_lora(model) and is_sharded(model) else None
         if not world.is_main:
             return
     if is_lora(model):
         # The vocabulary is never resized, so the base's embeddings never belong in the adapter; "auto" would
         # read the base's config (model.path, or the hub) to find out.
-        model.save_pretrained(directory / ADAPTER_DIR, save_embedding_layers=False)
+        model.save_pretrained(directory / ADAPTER_DIR, state_dict=adapter, save_embedding_layers=False)
     elif not world.distributed:
         save_weights(full_weights(model), directory)
     if not world.distributed:

@@ -179,26 +179,46 @@ class CheckpointManager:
 
     @staticmethod
     def _restore_files(loaded: LoadedCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not is_lora(model) and (loaded.path / ADAPTER_DIR).is_dir():
+            raise CheckpointError(f"{loaded.path} holds a LoRA adapter but train.mode=full: resume with "
+                                  f"train=lora")
+        if is_sharded(model):     # a one-process checkpoint resumed over several (FSDP2): each rank its shard
+            weights = adapter_by_parameter(loaded, model) if is_lora(model) else whole_weights(loaded, model)
+            load_full_state(model, optimizer, weights, loaded.optimizer)
+            return
         if is_lora(model):
             from peft import set_peft_model_state_dict
             result = set_peft_model_state_dict(model, loaded.weights)
             if result.unexpected_keys:
                 raise CheckpointError(f"{loaded.path}: adapter tensors {result.unexpected_keys[:5]} do not fit "
                                       f"this model (train.* LoRA settings differ?)")
-        elif (loaded.path / ADAPTER_DIR).is_dir():
-            raise CheckpointError(f"{loaded.path} holds a LoRA adapter but train.mode=full: resume with "
-                                  f"train=lora")
-        elif is_sharded(model):     # a one-process checkpoint resumed over several (FSDP2): each rank its shard
-            load_full_state(model, optimizer, loaded.weights, loaded.optimizer)
-            return
         else:
-            # A tied head is saved once, as the embedding (full_weights): the only key allowed to be absent.
-            result = model.load_state_dict(loaded.weights, strict=False)
-            tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-            missing = [key for key in result.missing_keys if key not in tied]
-            if missing or result.unexpected_keys:
-                raise CheckpointError(f"{loaded.path}: model.safetensors does not fit this model (missing "
-                                      f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}; model.* "
-                                      f"settings differ?)")
+            model.load_state_dict(whole_weights(loaded, model), strict=False)
             model.tie_weights()
         optimizer.load_state_dict(loaded.optimizer)
+
+
+def whole_weights(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full fine-tuning checkpoint's weights, checked against `model`'s names. A tied head is saved once,
+    as the embedding (full_weights): the only name allowed to be absent."""
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(names - set(loaded.weights) - tied)
+    unexpected = sorted(set(loaded.weights) - names - tied)
+    if missing or unexpected:
+        raise CheckpointError(f"{loaded.path}: model.safetensors does not fit this model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}; model.* settings differ?)")
+    return loaded.weights
+
+
+def adapter_by_parameter(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A saved adapter's tensors under the names of `model`'s parameters: peft leaves the adapter's name
+    ("default") out of the names on disk."""
+    on_disk = {name.replace(f".{model.active_adapter}.", "."): name
+               for name, param in model.named_parameters() if param.requires_grad}
+    unexpected = sorted(set(loaded.weights) - set(on_disk))
+    missing = sorted(set(on_disk) - set(loaded.weights))
+    if unexpected or missing:
+        raise CheckpointError(f"{loaded.path}: adapter tensors do not fit this model (unexpected {unexpected[:5]}, "
+                              f"missing {missing[:5]}; train.* LoRA settings differ?)")
+    return {on_disk[key]: tensor for key, tensor in loaded.weights.items()}

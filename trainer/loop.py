@@ -120,6 +120,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
     built = build_model(cfg, device, plan)
     model = built.model
+    world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
@@ -130,7 +131,6 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     progress = loaded.progress if loaded else Progress()
     wandb_run = None
     if world.is_main:
-        keep_random_base(cfg, model, run_dir)
         wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                                progress.wandb_run_id)
     if wandb_run:

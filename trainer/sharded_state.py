@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 STATE_DIR = "state"
 # strict=False because the frozen weights are left out on purpose; dcp.load itself refuses a checkpoint
@@ -74,6 +75,13 @@ def _check_every_parameter_has_state(model: torch.nn.Module, optimizer: torch.op
     if missing:
         raise ValueError(f"the checkpoint's optimizer state left {len(missing)} trainable parameters without "
                          f"moments (first: {missing[:3]})")
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights of a sharded `model`, whole and on the CPU, by name (collective: every rank
+    calls it and gets them)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=True))
 
 
 def sharded_weights(directory: Path) -> dict[str, torch.Tensor]:

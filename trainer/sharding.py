@@ -1,6 +1,7 @@
 """FSDP2 over the ranks of a job (parallel.shard=true): each decoder layer's parameters, and with them their
 gradients and AdamW state, are split over the world and gathered for the layer's forward and backward
-(torch.distributed.fsdp.fully_shard), so each GPU holds 1/world of the full fine-tuning state.
+(torch.distributed.fsdp.fully_shard), so each GPU holds 1/world of the full fine-tuning state, or of LoRA's
+frozen base and its adapters (a layer's bf16 base and fp32 adapters are gathered together).
 
 Sharded after the memory policy is installed: a recomputed layer gathers its parameters again for its
 recompute. Gradients are summed over the ranks, not averaged, as trainer.step divides the loss by the

@@ -3,7 +3,8 @@
 `parallel.sequence=P` splits each sequence over P ranks (Ulysses sequence parallelism: each rank holds
 seq_len / P tokens, attention exchanges heads for tokens); the ranks of the world beyond that are data
 parallel (world size / P different batches per step). One process: P must be 1. `parallel.shard=true`
-shards full fine-tuning's weights, gradients and optimizer state over the world (FSDP2, trainer.sharding).
+shards the weights over the world (FSDP2, trainer.sharding): full fine-tuning's with their gradients and
+optimizer state, LoRA's frozen base with the adapters.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from conf.errors import ConfigError
 @dataclass
 class ParallelConfig:
     sequence: int = 1
-    # FSDP2: split each layer's weights, gradients and optimizer state over the world (train=full only;
-    # with one process there is nothing to split and it is ignored).
+    # FSDP2: split each layer's weights (and what trains, with its gradients and optimizer state) over the
+    # world; with one process there is nothing to split and it is ignored.
     shard: bool = False
 
 
@@ -47,9 +48,6 @@ def check_parallel(cfg) -> None:
         raise ConfigError(f"train.full_state={cfg.train.full_state} does not run over several processes yet (its "
                           f"bf16 optimizer states are not reduced across ranks): use train.full_state=fp32 (16 "
                           f"bytes per parameter on each GPU), or train=lora")
-    if cfg.parallel.shard and cfg.train.mode != "full":
-        raise ConfigError("parallel.shard=true shards full fine-tuning (train=full) only: LoRA's adapters are "
-                          "small and stay replicated; set parallel.shard=false")
     heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
     if not heads_split(heads, kv_heads, degree):
         raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide the model's "
