@@ -2,13 +2,10 @@
 and the reductions every rank plans with agree."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_support import run_two_ranks
 from trainer.distributed import MainRankFailed, World, world_of
 
 
@@ -43,20 +40,7 @@ def _worker(rank: int, init_file: str, failures):
 
 
 def test_rank_zeros_failure_reaches_every_rank_and_reductions_agree():
-    context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    with tempfile.TemporaryDirectory() as directory:
-        processes = [context.Process(target=_worker, args=(rank, os.path.join(directory, "init"), failures))
-                     for rank in range(2)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=120)
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-    assert [process.exitcode for process in processes] == [0, 0]
+    run_two_ranks(_worker)
 
 
 def test_one_process_runs_the_action_and_raises_its_error():

@@ -1,16 +1,13 @@
 """Several processes on the CPU (gloo, 2 ranks): a sequence-parallel or data-parallel step equals one
 process's step on the same tokens, loss and every gradient within fp32 rounding, for LoRA and full
 fine-tuning, with packed documents that cross the ranks' slices and fewer KV heads than ranks."""
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -19,6 +16,7 @@ from conf.errors import ConfigError  # noqa: E402
 from data import Batch  # noqa: E402
 from kernels.sequence_parallel import check_heads  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from tests.gloo_support import run_two_ranks  # noqa: E402
 from trainer.build import apply_lora  # noqa: E402
 from trainer.distributed import World, world_of  # noqa: E402
 from trainer.step import train_step  # noqa: E402
@@ -63,7 +61,7 @@ def _step(model, batches, world):
     return result, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _worker(rank: int, init_file: str, train: str, sequence: int, failures):
+def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         kernels.set_backend("reference")
@@ -92,20 +90,7 @@ def _worker(rank: int, init_file: str, train: str, sequence: int, failures):
 @pytest.mark.parametrize("train", ["lora", "full"])
 @pytest.mark.parametrize("sequence", [2, 1], ids=["sequence-parallel", "data-parallel"])
 def test_two_processes_take_the_single_process_step(train, sequence):
-    context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    with tempfile.TemporaryDirectory() as directory:
-        processes = [context.Process(target=_worker, args=(rank, os.path.join(directory, "init"), train,
-                                                            sequence, failures)) for rank in range(2)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=120)
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-    assert all(process.exitcode == 0 for process in processes), [process.exitcode for process in processes]
+    run_two_ranks(_worker, train, sequence)
 
 
 def test_heads_must_split_over_the_sequence_group():
