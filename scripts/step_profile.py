@@ -11,7 +11,7 @@ import re
 
 # First match wins; the patterns are matched against the kernel name.
 KERNEL_KINDS = (
-    ("attention", r"_attn_|sdpa|fmha|flash"),   # ours (Triton), cuDNN's (SDPA, flash_fprop/bprop)
+    ("attention", r"_attn_|sdpa|fmha|flash|cudnn::fusion"),   # ours (Triton), cuDNN's and its helpers
     ("norms", r"_row_norm|rms_norm|layer_norm"),
     ("loss (linear cross-entropy)", r"cross_entropy|_lce_|logsumexp"),
     ("optimizer", r"adamw|multi_tensor|_foreach"),

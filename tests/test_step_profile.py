@@ -9,6 +9,7 @@ def test_kernel_names_map_to_kinds():
     # cuDNN's attention kernels carry sm90_ too: attention, not matrix products.
     assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x128_4x1x1") == \
         "attention"
+    assert kind_of("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)") == "attention"
     assert kind_of("_row_norm_backward_kernel") == "norms"
     assert kind_of("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNN") == "matrix products (cuBLAS)"
     assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matrix products (cuBLAS)"
