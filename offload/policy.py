@@ -35,12 +35,20 @@ def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
 
 class TokenTiled(torch.autograd.Function):
     """y = fn(x) for a per-token fn, computed in row tiles of the flattened tokens; only x is saved and
-    each tile is recomputed in the backward, so one tile's intermediates exist at a time."""
+    each tile is recomputed in the backward, so one tile's intermediates exist at a time.
+
+    `unread` (the output's last dim and dtype) says that nothing will read y's values: the forward then
+    computes nothing and returns an uninitialized y, as its backward recomputes every tile from x anyway.
+    `backward_fn`, when given, is what the backward recomputes each tile with (fn, knowing that only the
+    tile's graph is wanted)."""
 
     @staticmethod
-    def forward(ctx, anchor, x, fn, tiles):
-        ctx.fn, ctx.tiles, ctx.replay = fn, tiles, ReplayState.capture(x.device)
+    def forward(ctx, anchor, x, fn, tiles, unread: tuple[int, torch.dtype] | None = None, backward_fn=None):
+        ctx.fn, ctx.tiles, ctx.replay = backward_fn or fn, tiles, ReplayState.capture(x.device)
         ctx.save_for_backward(x)
+        if unread is not None:
+            features, dtype = unread
+            return torch.empty(*x.shape[:-1], features, dtype=dtype, device=x.device)
         rows = x.view(-1, x.shape[-1])              # a view: a non-contiguous x is an error, never a copy
         out = None
         for start, end in _row_ranges(rows.shape[0], tiles):
@@ -64,18 +72,88 @@ class TokenTiled(torch.autograd.Function):
                     torch.autograd.backward(tile_out, grad_rows[start:end])
                 if want_input_grad:
                     grad_x[start:end] = tile.grad
-        return None, None if grad_x is None else grad_x.view_as(x), None, None
+        return None, None if grad_x is None else grad_x.view_as(x), None, None, None, None
+
+
+class UnreadOutputs:
+    """The backward's recomputations rebuild autograd graphs whose output values nothing reads, and skip the
+    products that would compute only those values:
+      layer: a checkpointed layer recomputed for its backward. Its MLP's output is added to the residual
+        stream for the layer's output alone, so the tiled MLP computes nothing there (TokenTiled's backward
+        recomputes its tiles anyway): one of a checkpointed layer's three MLP passes saved.
+      tile: an MLP tile recomputed in TokenTiled's backward. Its down projection's output is the tile's,
+        whose backward needs the projection's input and weight only (UnreadLinear): one of the MLP's three
+        products saved in every tile's recomputation."""
+
+    def __init__(self):
+        self.layer = self.tile = False
+
+    @contextlib.contextmanager
+    def during(self, name: str):
+        setattr(self, name, True)
+        try:
+            yield
+        finally:
+            setattr(self, name, False)
+
+
+class UnreadLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) whose value nothing reads: an uninitialized output of the dtype F.linear
+    would give (autocast's), and the exact gradients of x, weight and bias."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        kind = x.device.type
+        ctx.dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return torch.empty(*x.shape[:-1], weight.shape[0], dtype=ctx.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (rows @ weight.to(ctx.dtype)).view(*x.shape[:-1], weight.shape[1]).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (rows.t() @ x.reshape(-1, x.shape[-1]).to(ctx.dtype)).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+class LinearUnlessUnread:
+    """Replacement `forward` of an MLP's down projection (its nn.Linear, under a LoRA wrapper if any):
+    UnreadLinear while a tile is recomputed for its backward, the Linear's own forward otherwise."""
+
+    def __init__(self, linear: nn.Linear, unread: UnreadOutputs):
+        self.linear, self.forward, self.unread = linear, linear.forward, unread
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unread.tile:
+            return UnreadLinear.apply(x, self.linear.weight, self.linear.bias)
+        return self.forward(x)
 
 
 class TiledForward:
     """Replacement `forward` of a per-token module (the MLP), installed when tiles > 1: always tiled, so a
-    no-grad forward also has one tile's intermediates at a time."""
+    no-grad forward also has one tile's intermediates at a time; nothing computed where its output is
+    `unread` (UnreadOutputs.layer), once a forward has shown the output's shape and dtype."""
 
-    def __init__(self, forward, tiles: int, anchor: torch.Tensor):
-        self.forward, self.tiles, self.anchor = forward, tiles, anchor
+    def __init__(self, forward, tiles: int, anchor: torch.Tensor, unread: UnreadOutputs):
+        self.forward, self.tiles, self.anchor, self.unread = forward, tiles, anchor, unread
+        self.output: tuple[int, torch.dtype] | None = None
+
+    def _tile_for_backward(self, rows: torch.Tensor) -> torch.Tensor:
+        with self.unread.during("tile"):
+            return self.forward(rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return TokenTiled.apply(self.anchor, x, self.forward, self.tiles)
+        unread = self.output if self.unread.layer else None
+        out = TokenTiled.apply(self.anchor, x, self.forward, self.tiles, unread, self._tile_for_backward)
+        self.output = (out.shape[-1], out.dtype)
+        return out
 
 
 class OffloadedCheckpoint(torch.autograd.Function):
@@ -99,7 +177,8 @@ class OffloadedCheckpoint(torch.autograd.Function):
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
         tape = policy.store.take_attention(index)
         policy.store.prefetch_attention(index - 1)
-        with torch.enable_grad(), replay.replay(), tape.replaying() if tape else contextlib.nullcontext():
+        with (torch.enable_grad(), replay.replay(), tape.replaying() if tape else contextlib.nullcontext(),
+              policy.unread.during("layer")):
             out = policy.layers[index](hidden, ctx.rope, ctx.cu_seqlens)
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
@@ -121,13 +200,16 @@ class MemoryPolicy:
         # embedding's output) does not, so every call also takes this one.
         self.anchor = torch.empty(0, requires_grad=True)
         self.mlp_tiles = mlp_tiles
+        self.unread = UnreadOutputs()
 
     def install(self) -> "MemoryPolicy":
         if self.store is not None:
             self.decoder.run_layer = self.run_layer
         if self.mlp_tiles > 1:
             for layer in self.layers:
-                layer.mlp.forward = TiledForward(layer.mlp.forward, self.mlp_tiles, self.anchor)
+                layer.mlp.forward = TiledForward(layer.mlp.forward, self.mlp_tiles, self.anchor, self.unread)
+                down = _down_projection(layer.mlp)
+                down.forward = LinearUnlessUnread(down, self.unread)
         return self
 
     def remove(self) -> None:
@@ -135,6 +217,7 @@ class MemoryPolicy:
         self.decoder.__dict__.pop("run_layer", None)
         for layer in self.layers:
             layer.mlp.__dict__.pop("forward", None)
+            _down_projection(layer.mlp).__dict__.pop("forward", None)
         self.engine.pool.buffers.clear()
 
     def pin_buffers(self, shape: Shape) -> None:
@@ -178,6 +261,11 @@ class MemoryPolicy:
     def stats(self) -> dict[str, float]:
         """Offload metrics since the last call (pinned GiB, copy GB/s, hidden copy fraction)."""
         return self.engine.take_stats()
+
+
+def _down_projection(mlp: nn.Module) -> nn.Linear:
+    """The nn.Linear of an MLP's down projection: peft's LoRA layer wraps it as base_layer."""
+    return getattr(mlp.down_proj, "base_layer", mlp.down_proj)
 
 
 def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,

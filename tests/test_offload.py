@@ -287,6 +287,28 @@ def test_full_layers_run_their_forward_once():
     assert calls == [0, 1, 2, 3, 1, 2, 1]     # forward; layer 2's input rebuilt, layer 2, layer 1
 
 
+def test_recomputations_compute_no_output_that_nothing_reads():
+    """A checkpointed layer's recomputation only rebuilds the graph for its backward, which recomputes the
+    MLP tiles itself: its MLP runs tiles in the forward and in the backward, not also in the recomputation
+    (a full layer the same); and a tile recomputed in the backward runs no down projection product, whose
+    output only that tile's backward follows. Gradients are those of plain autograd."""
+    model = lora_model()
+    input_ids, labels = batch()
+    reference = loss_and_grads(model, input_ids, labels)
+    apply_memory_policy(model, ["gpu", "host", "full", "gpu"], 3, torch.device("cpu"))
+    tiles_run, down_products = [0] * 4, [0] * 4
+    for index, layer in enumerate(model.get_base_model().model.layers):
+        layer.mlp.down_proj.register_forward_pre_hook(
+            lambda module, args, index=index: tiles_run.__setitem__(index, tiles_run[index] + 1))
+        base_forward = layer.mlp.down_proj.base_layer.forward.forward      # under LinearUnlessUnread
+        layer.mlp.down_proj.base_layer.forward.forward = (
+            lambda x, index=index, base_forward=base_forward:
+            down_products.__setitem__(index, down_products[index] + 1) or base_forward(x))
+    assert_same(reference, loss_and_grads(model, input_ids, labels))
+    assert tiles_run == [6] * 4          # 3 tiles forward, 3 in the backward
+    assert down_products == [3] * 4      # the backward's tiles compute no down projection output
+
+
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
 def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer_below():
     """The first backward starts the copy of its attention outputs itself: queued behind the prefetch of
