@@ -2,15 +2,19 @@
 import logging
 import sys
 
-import hydra
+from trainer.allocator import prefer_expandable_segments
 
-from conf.schema import register_configs
-from conf.validate import ConfigError
-from data.tokenize import DataError
-from model.hf_checkpoint import HFCheckpointError
-from trainer.checkpoint_format import CheckpointError
-from trainer.guard import BadStepsError
-from trainer.loop import train
+prefer_expandable_segments()       # before torch (imported below) initializes CUDA
+
+import hydra  # noqa: E402
+
+from conf.schema import register_configs  # noqa: E402
+from conf.validate import ConfigError  # noqa: E402
+from data.tokenize import DataError  # noqa: E402
+from model.hf_checkpoint import HFCheckpointError  # noqa: E402
+from trainer.checkpoint_format import CheckpointError  # noqa: E402
+from trainer.guard import BadStepsError  # noqa: E402
+from trainer.loop import train  # noqa: E402
 
 register_configs()
 # Errors whose message already says what is wrong and what to change: shown without a traceback.

@@ -4,6 +4,9 @@ Layer inputs first: the first k stay on the GPU, the rest go to pinned host memo
 from the top is recomputed instead when the host cannot hold them all. Attention outputs (from the top
 layer down) then take the room left, on the GPU, then on the host. GPU room still left then turns
 checkpointed layers into "full" ones, which keep every activation and recompute nothing.
+
+What must fit is the GPU room (`GpuRoom`): everything kept at once, or, where the backward makes gradients
+on the GPU (full fine-tuning's "bf16" state layout), its fullest moment.
 """
 from __future__ import annotations
 
@@ -41,6 +44,39 @@ def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
     return ["none"] * (layers - len(kept)) + kept[::-1]
 
 
+# The GPU item of the gradients made by the backward up to its fullest moment (GpuRoom).
+FULLEST_MOMENT = "layer gradients made so far"
+
+
+@dataclass(frozen=True)
+class GpuRoom:
+    """The GPU bytes left for kept activations (and gradients made in the backward), and when they are held.
+
+    With `layer_gradient` 0 whatever is kept is held at once, at the end of the forward. Full fine-tuning
+    with its gradients on the GPU and one micro-batch per step (trainer.streamed_adamw: gradients are None
+    until the backward makes them) makes `layer_gradient` bytes per layer, top layer first, while each
+    layer's kept activations are freed by its own backward: while layer k back-propagates the GPU holds
+    what layers 0..k keep and the gradients of layers k and above, and after the last one every gradient.
+    The room must hold the fullest of those moments (at the top for inputs cheaper than a gradient, at
+    the bottom for costlier ones)."""
+    bytes: int
+    layer_gradient: int = 0
+
+    def fullest(self, by_layer: list[int]) -> tuple[int, int | None]:
+        """(bytes at the fullest moment, the layer whose backward it is in: None at the end of the forward
+        when nothing is made in the backward, -1 after the backward when the gradients alone are most)."""
+        held = sum(by_layer)
+        if not self.layer_gradient:
+            return held, None
+        layers = len(by_layer)
+        most, layer = layers * self.layer_gradient, -1
+        for k in range(layers - 1, -1, -1):
+            if held + (layers - k) * self.layer_gradient > most:
+                most, layer = held + (layers - k) * self.layer_gradient, k
+            held -= by_layer[k]
+        return most, layer
+
+
 @dataclass
 class KeptLayers:
     """Where each layer's input and attention output are kept, and what that costs."""
@@ -50,7 +86,7 @@ class KeptLayers:
     host: dict[str, int]
 
 
-def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host_room: int) -> KeptLayers:
+def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, host_room: int) -> KeptLayers:
     """Layer inputs first (the first k on the GPU, the rest on the host, recomputed when the host is full),
     then attention outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
     outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
@@ -62,47 +98,72 @@ def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: int, host_
     def rank(kept: KeptLayers) -> tuple:
         # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then fewest
         # recomputed inputs, then most kept attention outputs; min() keeps the first (no reserve) on ties.
-        overflows = sum(kept.gpu.values()) > room or sum(kept.host.values()) > host_room
+        overflows = sum(kept.gpu.values()) > room.bytes or sum(kept.host.values()) > host_room
         return overflows, kept.placements.count("recompute"), kept.attention.count("none")
 
     return min(candidates, key=rank)
 
 
-def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: int, host_room: int,
+def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: GpuRoom, host_room: int,
                                 reserve: int) -> KeptLayers:
-    layers, a = shape.arch.num_hidden_layers, shape.activation
+    layers = shape.arch.num_hidden_layers
+    no_attention = ["none"] * layers
+
+    def gpu_bytes(placements: list[str], attention: list[str]) -> int:
+        return sum(_layer_bytes(shape, placements, attention, 0, room)[0].values())
+
     # Without CUDA there is nowhere to offload to: the "GPU" is the host.
-    on_gpu = layers if not offload else (
-        memory_cfg.gpu_layers if memory_cfg.gpu_layers is not None else min(layers, max(0, (room - reserve) // a)))
-    on_gpu = min(layers, on_gpu)
-    needed = max(0, layers - on_gpu - host_room // pinned_size(a)) if on_gpu < layers else 0
+    on_gpu = layers if not offload else min(layers, memory_cfg.gpu_layers) if memory_cfg.gpu_layers is not None \
+        else _most(lambda n: gpu_bytes(_placements(layers, n, 0), no_attention) + reserve <= room.bytes, layers)
+    needed = max(0, layers - on_gpu - host_room // pinned_size(shape.activation)) if on_gpu < layers else 0
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
     placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
-    inputs_gpu, inputs_host = _layer_bytes(shape, placements, ["none"] * layers, 0)
-    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, room - sum(inputs_gpu.values()),
+    inputs_host = _layer_bytes(shape, placements, no_attention, 0, room)[1]
+
+    def attention_fits(on_gpu: int, slot: int) -> bool:
+        return gpu_bytes(placements, _attention_placements(layers, on_gpu, 0)) + slot <= room.bytes
+
+    attention_gpu, attention_host = _kept_attention(shape, memory_cfg, attention_fits,
                                                     host_room - sum(inputs_host.values()), offload)
     attention = _attention_placements(layers, attention_gpu, attention_host)
-    return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0))
+    return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0, room))
 
 
-def _layer_bytes(shape: Shape, placements: list[str], attention: list[str],
-                 full_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+def _most(fits, limit: int) -> int:
+    """The largest n <= limit with fits(n), for a condition that holds up to some n and not beyond (0 when
+    not even fits(1))."""
+    n = 0
+    while n < limit and fits(n + 1):
+        n += 1
+    return n
+
+
+def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full_bytes: int,
+                 room: GpuRoom) -> tuple[dict[str, int], dict[str, int]]:
     """(GPU, host) bytes of kept inputs, attention outputs (with the GPU slot their host copies are
-    prefetched into) and full layers' activations (`full_bytes` each)."""
-    a = shape.activation
-    gpu = {"layer inputs on GPU": placements.count("gpu") * a,
-           "attention outputs on GPU": attention.count("gpu") * shape.attention_bytes}
+    prefetched into) and full layers' activations (`full_bytes` each): on the GPU at its fullest moment
+    (`GpuRoom`; with gradients made in the backward, what layers up to the one back-propagating then keep,
+    and those gradients), on the host all of them."""
+    a, b = shape.activation, shape.attention_bytes
+    by_layer = [(a if kept == "gpu" else full_bytes if kept == "full" else 0) + (b if output == "gpu" else 0)
+                for kept, output in zip(placements, attention)]
+    _, layer = room.fullest(by_layer)
+    held = len(placements) if layer is None else layer + 1       # the layers whose kept bytes are held then
+    gpu = {"layer inputs on GPU": placements[:held].count("gpu") * a,
+           "attention outputs on GPU": attention[:held].count("gpu") * b}
     host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if "host" in placements else {}
     if "host" in attention:
-        gpu["attention output prefetch"] = shape.attention_bytes
+        gpu["attention output prefetch"] = b
         host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
     if "full" in placements:
-        gpu["full layers' activations"] = placements.count("full") * full_bytes
+        gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
+    if layer is not None:
+        gpu[FULLEST_MOMENT] = (len(placements) - max(layer, 0)) * room.layer_gradient
     return gpu, host
 
 
-def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: int, host_room: int,
+def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuRoom, host_room: int,
                      wanted: int | None) -> KeptLayers:
     """Turn checkpointed layers into full ones (every activation kept, `full_bytes` each, no recompute and
     no kept attention output): `wanted` of them, or with None each that still fits the GPU `room`. Each
@@ -118,8 +179,8 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: int,
             break
         trial_placements, trial_attention = list(placements), list(attention)
         trial_placements[index], trial_attention[index] = "full", "none"
-        trial = _layer_bytes(shape, trial_placements, trial_attention, full_bytes)
-        if wanted is None and (sum(trial[0].values()) > room or sum(trial[1].values()) > host_room):
+        trial = _layer_bytes(shape, trial_placements, trial_attention, full_bytes, room)
+        if wanted is None and (sum(trial[0].values()) > room.bytes or sum(trial[1].values()) > host_room):
             continue
         placements, attention, costs, chosen = trial_placements, trial_attention, trial, chosen + 1
     if wanted is not None and chosen < wanted:
@@ -129,20 +190,21 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: int,
     return KeptLayers(placements, attention, *costs)
 
 
-def _kept_attention(shape: Shape, memory_cfg, gpu_room: int, host_room: int, offload: bool) -> tuple[int, int]:
+def _kept_attention(shape: Shape, memory_cfg, gpu_fits, host_room: int, offload: bool) -> tuple[int, int]:
     """(on GPU, on host) counts of layers whose attention output is kept: all wanted layers that fit the
-    GPU room, the rest in the host room (one GPU slot then goes to prefetching them)."""
+    GPU (`gpu_fits(count on the GPU, bytes of a prefetch slot)`), the rest in the host room (one GPU slot
+    then goes to prefetching them)."""
     layers = shape.arch.num_hidden_layers
     wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
     per_layer = shape.attention_bytes
-    fit_on_gpu = min(wanted, max(0, gpu_room // per_layer))
+    fit_on_gpu = _most(lambda count: gpu_fits(count, 0), wanted)
     if fit_on_gpu == wanted:
         return fit_on_gpu, 0
     if not offload:      # nowhere else to keep them: an explicit count stays whole, so the plan fails with advice
         return (fit_on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
-    if gpu_room < per_layer and memory_cfg.kept_attention_layers is None:
+    if not gpu_fits(0, per_layer) and memory_cfg.kept_attention_layers is None:
         return fit_on_gpu, 0               # no GPU slot to prefetch host-kept outputs into
-    on_gpu = min(wanted, max(0, gpu_room - per_layer) // per_layer)     # one slot left for the prefetch
+    on_gpu = _most(lambda count: gpu_fits(count, per_layer), wanted)     # one slot left for the prefetch
     on_host = wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
         min(wanted - on_gpu, max(0, host_room) // shape.attention_pinned_bytes)
     return (on_gpu, on_host) if on_host else (fit_on_gpu, 0)

@@ -19,7 +19,7 @@ from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
                                 full_layer_bytes, parameter_counts, pinned_size, projection_shapes,
                                 sequence_exchange_bytes, transient_bytes)
-from offload.placement import keep_layers, with_full_layers
+from offload.placement import FULLEST_MOMENT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
 
@@ -94,6 +94,9 @@ class MemoryPlan:
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")
             lines += [f"    {name:<28s}{size / GIB:8.2f} GiB" for name, size in items.items()]
+            if title == self.device_label and FULLEST_MOMENT in items:
+                lines.append("    (its fullest moment, in the backward: the gradients made so far and what the "
+                             "layers below keep)")
         lines.append(f"  pinned {self.pinned / GIB:.2f} GiB of {self.capacity.pinnable / GIB:.2f} GiB pinnable")
         return "\n".join(lines)
 
@@ -111,28 +114,30 @@ def _mlp_tiles(tokens: int, memory_cfg) -> int:
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True,
-                attention_kernels: tuple[str, ...] = ("flash",), ranks: Ranks = Ranks()) -> MemoryPlan:
+                attention_kernels: tuple[str, ...] = ("flash",), ranks: Ranks = Ranks(),
+                micro_batches: int = 1) -> MemoryPlan:
     """The policy for this config on this machine (or `capacity`), with its predicted peaks. The first
     attention kernel of `attention_kernels` (fastest first: kernels.attention_kernels) that fits, and for full
     fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts).
     Several processes (`ranks`): the plan of one rank, which holds 1/ranks.sequence of each sequence and
-    shares the host with ranks.per_host - 1 others."""
+    shares the host with ranks.per_host - 1 others. `micro_batches` (optim.grad_accum_steps) > 1 keeps the
+    gradients of one micro-batch through the next's forward and backward."""
     capacity = capacity or Capacity.detect(device, memory_cfg).shared_by(ranks.per_host)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
     if ranks.world > 1 and train_cfg.mode == "full":
         layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states do not run over several processes yet
     for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
         plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
-                            layout, attention_kernel, ranks)
+                            layout, attention_kernel, ranks, micro_batches)
         if plan.fits:
             break
     if with_advice and not plan.fits:
-        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks)
+        plan.advice = advice(plan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks, micro_batches)
     return plan
 
 
 def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
-                 full_state: str | None, attention_kernel: str, ranks: Ranks) -> MemoryPlan:
+                 full_state: str | None, attention_kernel: str, ranks: Ranks, micro_batches: int) -> MemoryPlan:
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
@@ -144,6 +149,13 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     trainable_gpu, trainable_host = (layout_memory(full_state, own) if full_state else
                                      ({"trainable params+grads+adam": own * TRAINABLE_BYTES}, {}))
     trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
+    layer_gradient = 0
+    if full_state == "bf16" and not sharded and micro_batches == 1:
+        # The decoder layers' gradients are made in the backward as their kept activations are freed
+        # (placement.GpuRoom); the embeddings', head's and final norm's stay counted whole.
+        layer_gradient = 2 * layer_parameters(arch)
+        trainable_gpu["bf16 gradients"] -= arch.num_hidden_layers * layer_gradient
+        trainable_gpu["bf16 non-layer gradients"] = trainable_gpu.pop("bf16 gradients")
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
@@ -159,7 +171,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
     if memory_cfg.checkpoint:
-        room = capacity.gpu_limit - sum(static.values()) - sum(transient.values())
+        room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient)
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         kept = keep_layers(shape, memory_cfg, device, room, host_room)
         full_layer = full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type, sequence_parallel)
@@ -178,8 +190,12 @@ def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True)
     unsharded gradient before its reduce-scatter."""
     d = arch.hidden_size
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
-    layer = sum(i * o for i, o in projection_shapes(arch).values()) + 2 * d
-    return (2 if gradients else 1) * (embeddings + 2 * layer) * weight_bytes
+    return (2 if gradients else 1) * (embeddings + 2 * layer_parameters(arch)) * weight_bytes
+
+
+def layer_parameters(arch: LlamaConfig) -> int:
+    """One decoder layer's parameters: its projections and two norms."""
+    return sum(i * o for i, o in projection_shapes(arch).values()) + 2 * arch.hidden_size
 
 
 def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:
@@ -190,7 +206,8 @@ def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:
     return None if device.type == "cuda" else 0
 
 
-def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks: Ranks) -> list[str]:
+def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, device, ranks: Ranks,
+           micro_batches: int) -> list[str]:
     """Settings that would make a failing plan fit."""
     tips = []
     if not memory_cfg.checkpoint:
@@ -208,7 +225,8 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     if plan.mlp_tiles * 4096 < seq_len * batch_size:
         tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)" if memory_cfg.mlp_tiles is None else
                     "memory.mlp_tiles=null memory.mlp_tile_tokens=4096 (smaller MLP tiles; mlp_tiles overrides)")
-    fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity, ranks)
+    fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity, ranks,
+                               micro_batches)
     if fitting:
         tips.append(f"seq_len={fitting} (the longest that fits with these settings)" if batch_size == 1 else
                     f"batch_size * seq_len <= {fitting * batch_size} tokens")
@@ -220,13 +238,14 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     return tips
 
 
-def _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, capacity, ranks) -> int | None:
+def _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, capacity, ranks,
+                     micro_batches: int) -> int | None:
     step = 1024
     low, high = 0, seq_len // step
     while low < high:       # largest multiple of `step` below seq_len that fits
         mid = (low + high + 1) // 2
         if plan_memory(arch, train_cfg, memory_cfg, mid * step, batch_size, device, capacity, False,
-                       ranks=ranks).fits:
+                       ranks=ranks, micro_batches=micro_batches).fits:
             low = mid
         else:
             high = mid - 1

@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.allocator import prefer_expandable_segments  # noqa: E402
+
+prefer_expandable_segments()
 
 import torch  # noqa: E402
 

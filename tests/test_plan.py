@@ -13,7 +13,8 @@ from conf.schema.memory import MemoryConfig, check_memory
 from model import LlamaConfig
 from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
 from offload.engine import CopyEngine
-from offload.plan import plan_memory
+from offload.placement import FULLEST_MOMENT, GpuRoom
+from offload.plan import layer_parameters, plan_memory
 from offload.store import LayerInputStore
 from offload.units import GIB
 
@@ -44,6 +45,45 @@ def test_short_sequences_keep_every_input_on_the_gpu():
     assert short.fits and short.placements == ["gpu"] * 32 and short.pinned == 0
 
 
+def test_the_gpu_room_holds_the_fullest_moment_of_a_backward_that_makes_gradients():
+    # Layers 0..3 keep 5, 1, 1, 1 bytes; each layer's backward makes 2 bytes of gradients, top layer first.
+    room = GpuRoom(bytes=100, layer_gradient=2)
+    # backward of layer 3: 8 kept + 2; of 2: 7 + 4; of 1: 6 + 6; of 0: 5 + 8; after it: the 8 of gradients
+    assert room.fullest([5, 1, 1, 1]) == (13, 0)
+    assert room.fullest([0, 0, 0, 0]) == (8, -1)
+    assert room.fullest([1, 1, 1, 9]) == (14, 3)
+    assert GpuRoom(bytes=100).fullest([5, 1, 1, 1]) == (8, None)     # no gradients made: all at once
+
+
+def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
+    """bf16 state layout, one micro-batch: a layer's gradients exist only from its backward on, when the
+    activations kept for the layers above are freed, so at 32k the H100 keeps every input and most attention
+    outputs on the GPU and three full layers (counting all gradients beside all kept activations left room
+    for 23 inputs and no kept attention on the GPU). The plan's GPU items are those of its fullest moment."""
+    full = SimpleNamespace(mode="full", full_state="auto")
+    chosen = plan(32768, train=full)
+    assert chosen.fits and chosen.full_state == "bf16"
+    assert chosen.placements == ["full"] * 3 + ["gpu"] * 29 and chosen.attention == ["none"] * 3 + ["gpu"] * 29
+    # The fullest moment, recounted here from the layout: the backward of layer k holds what layers 0..k keep
+    # and the gradients of layers k..31.
+    a, b = chosen.shape.activation, chosen.shape.attention_bytes
+    kept = [full_layer_bytes(chosen.shape, full, mlp_tiled=True)] * 3 + [a + b] * 29
+    gradient = 2 * layer_parameters(LLAMA3_8B)
+    moments = [sum(kept[:k + 1]) + (32 - k) * gradient for k in range(32)] + [32 * gradient]
+    others = {name: size for name, size in chosen.gpu.items() if name not in (
+        "layer inputs on GPU", "attention outputs on GPU", "full layers' activations", FULLEST_MOMENT)}
+    assert chosen.gpu_peak == sum(others.values()) + max(moments)
+    assert others["bf16 non-layer gradients"] == 2 * (parameter_counts(LLAMA3_8B, full)[0] - 32 * layer_parameters(
+        LLAMA3_8B))
+    assert "its fullest moment" in chosen.describe()
+
+    # Several micro-batches keep the first one's gradients through the next: all of them count at once.
+    accumulated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST, micro_batches=2)
+    assert accumulated.gpu["bf16 gradients"] == 2 * parameter_counts(LLAMA3_8B, full)[0]
+    assert FULLEST_MOMENT not in accumulated.gpu and accumulated.count("gpu") < 30
+    assert accumulated.gpu_peak == sum(accumulated.gpu.values()) <= accumulated.capacity.gpu_limit
+
+
 @pytest.mark.parametrize("seq_len, full", [(32768, 31), (65536, 7)])
 def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, full):
     """At 32k-64k the GPU has room: as many layers as fit keep every activation (no recompute, no kept
@@ -59,7 +99,7 @@ def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, full):
 
 
 @pytest.mark.parametrize("seq_len, train", [(131072, LORA), (262144, LORA), (524288, LORA),
-                                            (32768, SimpleNamespace(mode="full", full_state="auto")),
+                                            (65536, SimpleNamespace(mode="full", full_state="auto")),
                                             (131072, SimpleNamespace(mode="full", full_state="auto"))])
 def test_no_full_layer_where_the_gpu_has_no_room(seq_len, train):
     chosen, without = plan(seq_len, train=train), plan(seq_len, MemoryConfig(full_layers=0), train=train)

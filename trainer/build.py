@@ -48,7 +48,8 @@ def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | 
                        capacity=capacity,
                        attention_kernels=attention_kernels(cfg, device),
                        ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
-                                   world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard))
+                                   world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard),
+                       micro_batches=cfg.optim.grad_accum_steps)
 
 
 def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:
