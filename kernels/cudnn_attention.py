@@ -10,7 +10,10 @@ no forward kernel.
 The aten ops take [B, H, S, D] views of our [B, S, H, D] tensors (transposes, no copies) and return the
 output laid out [B, S, H, D] in memory; dO must have the output's strides. Their backward adds dQ with
 atomics (not bit-identical run to run; `deterministic=true` runs flash_attention instead) and needs a
-workspace of about two fp32 copies of dQ (`backward_workspace_bytes`, which the planner counts).
+workspace of about two fp32 copies of dQ (`backward_workspace_bytes`, which the planner counts). Past
+MAX_WORKSPACE_BYTES (131k tokens of 32 heads of 128) the backward runs over groups of KV heads, each with its
+query heads: a KV head's gradients come only from its own query heads, so each group's dQ, dK and dV are
+final, and at 524k tokens the 16 GiB workspace of one call becomes 4 GiB per group.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Measured peak memory of the aten backward beyond its inputs and dq/dk/dv, per query element (token x
 # query head x head dim): 1.00 GiB at 32k tokens and 4.02 GiB at 131k with 32 heads of 128.
 WORKSPACE_BYTES_PER_QUERY_ELEMENT = 8
+# One backward call's workspace at most: 131k tokens of 32 heads of 128 (measured there: one call).
+MAX_WORKSPACE_BYTES = 4 * 2**30
 
 
 def available(device: torch.device) -> bool:
@@ -39,8 +44,22 @@ def supports(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> bool:
             and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.stride(-1) == 1 and k.stride(-1) == 1)
 
 
-def backward_workspace_bytes(tokens: int, q_heads: int, head_dim: int) -> int:
-    return WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
+def backward_head_groups(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """How many groups of KV heads the backward runs over: the fewest that divide the KV heads and keep one
+    call's workspace within MAX_WORKSPACE_BYTES (one group per KV head at most)."""
+    whole = WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
+    return next((groups for groups in range(1, kv_heads) if kv_heads % groups == 0
+                 and whole <= groups * MAX_WORKSPACE_BYTES), kv_heads)
+
+
+def backward_workspace_bytes(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """The backward's memory beyond its inputs and the gradients it returns: one call's workspace and, over
+    several head groups, the group's gradients before they are copied into the whole ones."""
+    groups = backward_head_groups(tokens, q_heads, kv_heads, head_dim)
+    workspace = WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim // groups
+    if groups == 1:
+        return workspace
+    return workspace + tokens * (q_heads + 2 * kv_heads) // groups * head_dim * dtype_bytes
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -67,16 +86,40 @@ class CudnnAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        seqlen = q.shape[1]
         if grad_out.stride() != out.stride():
             # cuDNN reads dO with O's strides. The model's dO (o_proj's input gradient) has them; a broadcast
             # one (stride 0, from out.sum()) or another layout is copied into O's: the only copy this op makes.
             grad_out = torch.empty_like(out).copy_(grad_out)
-        no_dropout_state = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed and offset
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _heads_first(grad_out), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out), lse,
-            no_dropout_state, no_dropout_state, None, None, None, seqlen, seqlen, 0.0, ctx.causal, scale=ctx.scale)
-        return (*(_heads_first(grad) for grad in grads), None, None)
+        batch, seqlen, q_heads, head_dim = q.shape
+        groups = backward_head_groups(batch * seqlen, q_heads, k.shape[2], head_dim)
+        if groups == 1:
+            return (*_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale), None, None)
+        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for group in range(groups):
+            queries, keys = _group_heads(group, groups, q_heads), _group_heads(group, groups, k.shape[2])
+            # the statistics of these heads: [B, H, S] sliced on H, contiguous for one row (a copy of
+            # B x S x H/groups floats otherwise)
+            group_grads = _backward(grad_out[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys],
+                                    out[:, :, queries], lse[:, queries].contiguous(), ctx.causal, ctx.scale)
+            for whole, part, heads in zip(grads, group_grads, (queries, keys, keys)):
+                whole[:, :, heads].copy_(part)
+        return (*grads, None, None)
+
+
+def _group_heads(group: int, groups: int, heads: int) -> slice:
+    """The heads of one group: consecutive, as GQA pairs query head h with KV head h // (Hq / Hkv)."""
+    size = heads // groups
+    return slice(group * size, (group + 1) * size)
+
+
+def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """dQ, dK, dV ([B, S, H, D] views) from one cuDNN backward call."""
+    seqlen = q.shape[1]
+    no_dropout_state = torch.empty((), dtype=torch.int64, device=q.device)   # philox seed and offset
+    grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _heads_first(grad_out), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out), lse,
+        no_dropout_state, no_dropout_state, None, None, None, seqlen, seqlen, 0.0, causal, scale=scale)
+    return tuple(_heads_first(grad) for grad in grads)
 
 
 def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

@@ -155,8 +155,8 @@ def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> 
     attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
     attention_label = "attention statistics"
     if attention_kernel == "cudnn":        # cuDNN's backward workspace, beside the statistics it keeps
-        attention_stats += cudnn_attention.backward_workspace_bytes(shape.tokens, arch.num_attention_heads,
-                                                                     arch.head_dim)
+        attention_stats += cudnn_attention.backward_workspace_bytes(
+            shape.tokens, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, shape.act_bytes)
         attention_label = "attention stats+workspace"
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
     backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile

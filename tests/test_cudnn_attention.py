@@ -1,5 +1,7 @@
 """kernels.cudnn_attention on a Hopper GPU: the reference's contract in bf16, the attention tape, the
 dispatch that sends unpacked rows to it, and the backward workspace the planner counts. Skipped elsewhere."""
+import os
+
 import pytest
 import torch
 
@@ -100,5 +102,49 @@ def test_backward_stays_within_the_planned_workspace():
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before - sum(g.numel() * g.element_size() for g in grads)
-    planned = cudnn_attention.backward_workspace_bytes(seqlen, 32, 128)
+    planned = cudnn_attention.backward_workspace_bytes(seqlen, 32, 8, 128)
     assert 0.5 * planned < extra <= planned * 1.05, (extra, planned)
+
+
+def test_the_backward_over_head_groups_matches_the_reference(monkeypatch):
+    """A workspace cap of a quarter of this call's splits the backward over 4 groups of 2 KV heads."""
+    q, k, v = _inputs(4096)
+    monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", cudnn_attention.backward_workspace_bytes(
+        4096, 32, 8, 128) // 4)
+    assert cudnn_attention.backward_head_groups(4096, 32, 8, 128) == 4
+    out = cudnn_attention.cudnn_attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(reference.attention(q32, k32, v32), (q32, k32, v32), grad_out.float())
+    for name, actual, expected in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _rel_err(actual, expected) < TOLERANCE, (name, _rel_err(actual, expected))
+
+
+@pytest.mark.skipif(not os.environ.get("LONGCTX_LONG_GPU_TESTS"), reason="a minute at 524k: LONGCTX_LONG_GPU_TESTS=1")
+def test_524k_tokens_over_head_groups_agree_with_flash_attention():
+    """The longest single-GPU length (2^31 elements in q): cuDNN's forward and its backward over 4 head
+    groups against our flash attention, both bf16 (each within ~3e-3 of fp32 at shorter lengths)."""
+    from kernels.flash_attention import flash_attention
+    q, k, v = _inputs(524288)
+    assert cudnn_attention.backward_head_groups(524288, 32, 8, 128) == 4
+    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for attention in (cudnn_attention.cudnn_attention, flash_attention):
+        out = attention(q, k, v)
+        results.append((out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out)))
+        del out
+    for name, ours, flash in zip(("out", "dq", "dk", "dv"), *results):
+        error = _rel_err_by_head(ours, flash)
+        assert error < 1e-2, (name, error)
+
+
+def _rel_err_by_head(actual, expected):
+    """_rel_err one head at a time: fp64 copies of a whole 524k tensor would take 16 GiB each."""
+    difference = reference_norm = 0.0
+    for head in range(actual.shape[2]):
+        a, e = actual[:, :, head].double(), expected[:, :, head].double()
+        assert not torch.isnan(a).any()
+        difference += float((a - e).square().sum())
+        reference_norm += float(e.square().sum())
+    return (difference / reference_norm) ** 0.5

@@ -270,19 +270,29 @@ def test_cudnn_attention_is_planned_with_its_backward_workspace():
                         attention_kernels=("cudnn", "flash"))
     flash = plan(131072)
     assert cudnn.fits and cudnn.attention_kernel == "cudnn" and flash.attention_kernel == "flash"
-    workspace = cudnn_attention.backward_workspace_bytes(131072, 32, 128)
+    workspace = cudnn_attention.backward_workspace_bytes(131072, 32, 8, 128)
     assert workspace == 4 * GIB
     assert cudnn.gpu["attention stats+workspace"] == flash.gpu["attention statistics"] + workspace
     assert cudnn.kept_attention("gpu") < flash.kept_attention("gpu")
     assert "attention kernel cudnn" in cudnn.describe()
 
 
-def test_the_planner_falls_back_to_flash_attention_where_cudnn_does_not_fit():
-    """At 524k tokens cuDNN's 16 GiB workspace does not fit an H100 with the rest: the flash plan does."""
+def test_cudnn_runs_524k_over_head_groups_and_the_planner_falls_back_to_flash_where_it_does_not_fit():
+    """At 524k tokens one cuDNN backward call would take a 16 GiB workspace; over 4 groups of 2 KV heads
+    it takes 4 GiB plus a group's gradients, and the H100 plan keeps cuDNN. On a GPU 8 GiB smaller only the
+    flash plan fits, and the planner takes it."""
+    from kernels import cudnn_attention
+    assert cudnn_attention.backward_head_groups(524288, 32, 8, 128) == 4
     chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST,
                          attention_kernels=("cudnn", "flash"))
+    group_grads = 524288 * (32 + 2 * 8) // 4 * 128 * 2
+    assert chosen.fits and chosen.attention_kernel == "cudnn"
+    assert chosen.gpu["attention stats+workspace"] == 2 * 524288 * 32 * 4 + 4 * GIB + group_grads
+    smaller = Capacity(gpu=H100_HOST.gpu - 8 * GIB, host=H100_HOST.host, pinnable=H100_HOST.pinnable)
+    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, smaller,
+                         attention_kernels=("cudnn", "flash"))
     assert chosen.fits and chosen.attention_kernel == "flash"
-    assert not plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST,
+    assert not plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, smaller,
                            attention_kernels=("cudnn",)).fits
 
 

@@ -1,0 +1,56 @@
+"""kernels.cudnn_attention's backward over groups of KV heads, on any device: the cuDNN call is replaced by
+the reference attention's gradients, so what is tested is the grouping (which query heads go with which KV
+heads, the statistics' slices, the copies into the whole gradients) against one call over every head."""
+import pytest
+import torch
+
+from kernels import cudnn_attention, reference
+
+
+def _reference_backward(grad_out, q, k, v, out, lse, causal, scale):
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.is_contiguous()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():       # an autograd.Function's backward runs without it
+        result = reference.attention(*leaves, causal=causal, softmax_scale=scale)
+    return torch.autograd.grad(result, leaves, grad_out)
+
+
+def _forward_stand_in(q, k, v, *args, scale):
+    """(out, lse) [B, H, S, D] and [B, H, S] as cuDNN's forward returns them."""
+    out = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=args[3],
+                              softmax_scale=scale)
+    return out.transpose(1, 2), torch.zeros(q.shape[0], q.shape[1], q.shape[2])
+
+
+@pytest.mark.parametrize("batch, q_heads, kv_heads, cap_elements", [(1, 8, 4, 8 * 40 * 16 * 4),
+                                                                     (2, 12, 4, 8 * 2 * 40 * 12 * 16 // 3),
+                                                                     (1, 6, 6, 1)])
+def test_grouped_backward_equals_one_call(monkeypatch, batch, q_heads, kv_heads, cap_elements):
+    seqlen, head_dim = 40, 16
+    monkeypatch.setattr(cudnn_attention, "_backward", _reference_backward)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", _forward_stand_in, raising=False)
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen, q_heads, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen, kv_heads, head_dim, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(batch, seqlen, q_heads, head_dim)
+    expected = torch.autograd.grad(reference.attention(q, k, v), (q, k, v), grad_out)
+
+    monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", cap_elements)
+    groups = cudnn_attention.backward_head_groups(batch * seqlen, q_heads, kv_heads, head_dim)
+    assert 1 < groups <= kv_heads and kv_heads % groups == 0
+    grads = torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v), (q, k, v), grad_out)
+    for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
+        assert actual.shape == wanted.shape and not torch.isnan(actual).any(), name
+        assert float((actual - wanted).norm() / wanted.norm()) < 1e-6, name
+
+
+def test_head_groups_keep_one_call_within_the_cap_and_divide_the_kv_heads():
+    whole = cudnn_attention.WORKSPACE_BYTES_PER_QUERY_ELEMENT * 32 * 128
+    assert cudnn_attention.backward_head_groups(131072, 32, 8, 128) == 1      # 4 GiB: one call, as measured
+    assert cudnn_attention.backward_head_groups(262144, 32, 8, 128) == 2
+    assert cudnn_attention.backward_head_groups(524288, 32, 8, 128) == 4
+    assert cudnn_attention.backward_head_groups(4 * 2**20, 32, 8, 128) == 8   # past the cap: one per KV head
+    assert cudnn_attention.backward_head_groups(3 * 2**20 // 2 + 1, 32, 8, 128) == 8   # 3 would not divide 8
+    assert cudnn_attention.backward_workspace_bytes(131072, 32, 8, 128) == 131072 * whole
+    assert cudnn_attention.backward_workspace_bytes(524288, 32, 8, 128) == (
+        524288 * whole // 4 + 524288 * (32 + 16) // 4 * 128 * 2)
