@@ -2,9 +2,11 @@
 # The GPU checks of a session in one call: installs the wheels the GPU image lacks (carried in .whl/, made
 # by ../shared/device/wheels.sh [liger-kernel==0.8.5]), then runs the named steps, logs under $OUT:
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
+#   bash scripts/gpu_session.sh recall_curve      # alone: its two 32k runs take most of a 10-minute call
 set -uo pipefail
-rm -rf /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Installed once per machine: a job started in the background by an earlier call still imports from it.
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  .whl/*.whl && touch /tmp/site/.installed; } || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-$OUT/tuning}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
@@ -24,15 +26,51 @@ for step in "$@"; do
     train_64k) bench --seq-len 65536 --steps 3 ;;
     train_131k) bench --seq-len 131072 --steps 2 ;;
     full_32k) bench --seq-len 32768 --steps 3 --train full ;;
+    # The same job recomputing every layer with its attention: the losses must equal full_32k's.
+    full_32k_recompute) bench --seq-len 32768 --steps 3 --train full memory.full_layers=0 memory.kept_attention_layers=0 ;;
+    full_64k) bench --seq-len 65536 --steps 3 --train full ;;
+    full_131k) bench --seq-len 131072 --steps 2 --train full ;;
+    # One step each at 524k then 262k (minutes each, longer than a call): started under setsid, then
+    # `poll` (again within 30 s of each return, or the idle machine is given back) until both are done.
+    long_steps) setsid nohup bash -c "for s in 524288 262144; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
+        >> /tmp/long_steps.jsonl 2>> /tmp/long_steps.err; done; touch /tmp/long_steps.done" > /dev/null 2>&1 & ;;
+    poll) for i in $(seq ${POLL_S:-550}); do [ -f /tmp/long_steps.done ] && break; sleep 1; done
+        cp /tmp/long_steps.* $OUT/; tail -n 4 /tmp/long_steps.err; cat /tmp/long_steps.jsonl | cut -c1-600 ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
     peer_64k) bench --seq-len 65536 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
+    # torch.profiler over the last step: GPU time by kind in bench_train.err (scripts/step_profile.py).
+    profile_64k) bench --seq-len 65536 --steps 2 --profile ;;
+    profile_131k) bench --seq-len 131072 --steps 2 --profile ;;
+    # The training tests that need a GPU, without the offload ones (each half fits one call).
+    step_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -v --tb=short tests/test_resume.py tests/test_step.py \
+        tests/test_lora_fusion.py tests/test_byte_model.py 2>&1 | tee $OUT/step_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    # cuDNN attention's GPU tests, the 524k one (its backward over head groups against flash attention) included.
+    cudnn_tests) TRITON_INTERPRET=0 LONGCTX_LONG_GPU_TESTS=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short \
+        tests/test_cudnn_attention.py 2>&1 | tee $OUT/cudnn_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    # Two GPUs: LoRA with FSDP2 (a bf16 base and fp32 adapters gathered together) against the same job
+    # unsharded, two steps each; the losses side by side.
+    lora_shard) for shard in false true; do
+        torchrun --standalone --nproc-per-node 2 train.py model=llama3_8b model.num_hidden_layers=4 seq_len=32768 \
+          parallel.sequence=2 parallel.shard=$shard max_steps=3 logger.wandb.mode=disabled logger.progress_bar=false checkpoint.save_random_base=false \
+          output_dir=/tmp/lora_shard_$shard > $OUT/lora_shard_$shard.log 2>&1; echo "shard=$shard exit $?"
+        grep -E "step [0-9]/|FSDP2|peak" $OUT/lora_shard_$shard.log | tail -5; done ;;
     # Several GPUs (nvidia-h200-x2): SIGTERM to one rank, resume on 2 and on 1 (deterministic kernels, so
     # the resume on 2 is exact); then 131k LoRA on one GPU and sequence parallel on two, in one run.
     parallel_tests) LONGCTX_TORCHRUN_JOB="device=cuda deterministic=true model=llama3_8b model.num_hidden_layers=2 train=lora seq_len=16384" \
         LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
+    # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
+    # inputs, kept attention outputs) and on the reference path (~5.5 min); both curves in $OUT/recall_curve.png (for
+    # docs/), the table and JSON in recall_curve.log, each run's log and metrics in $OUT/recall_runs/. Its
+    # tuning cache stays out of $OUT, which brings back 8 files at most.
+    recall_curve) rm -rf /tmp/recall_curve
+        LONGCTX_TUNING_CACHE=/tmp/longctx-tuning python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-400} \
+          --run-root /tmp/recall_curve --out-png $OUT/recall_curve.png ${RECALL_ARGS:-} 2>&1 | tee $OUT/recall_curve.log | grep -v '^{'
+        mkdir -p $OUT/recall_runs
+        for run in fast reference; do cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
+          cp /tmp/recall_curve/$run/metrics.jsonl $OUT/recall_runs/${run}_metrics.jsonl; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,0 +1,94 @@
+"""scripts/recall_curve.py: the fast-path-against-reference recall job, at a tiny scale on CPU (both runs,
+the PNG, the summary), and the settings it uses at 32k tokens on a GPU (recall_100m, recall_recipe)."""
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from conf.schema import register_configs
+from conf.schema.data import check_recall
+from conf.schema.optim import resolve_optim
+from model.config import LlamaConfig
+from offload.byte_model import parameter_counts
+from scripts import recall_curve
+from trainer.step import MAX_ACCURACY_TOKENS
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def recall_100m_at_32k():
+    register_configs()
+    overrides = recall_curve.recall_recipe(32768)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=["model=recall_100m", "seq_len=32768", "max_steps=300", *overrides])
+
+
+def test_script_runs_both_paths_and_draws_one_png(tmp_path):
+    png = tmp_path / "curve.png"
+    # One thread per process, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
+    # interpreter would not change, and a busy 2-core machine makes spinning OpenMP threads slow.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "scripts/recall_curve.py", "--model", "tiny", "--seq-len", "384", "--steps", str(STEPS),
+         "--device", "cpu", "--batch-size", "2", "--log-every", "2", "--run-root", str(tmp_path / "runs"),
+         "--out-png", str(png)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", header[16:24])
+    assert width > 500 and height > 500
+    assert summary["png"] == str(png) and summary["device"] == "CPU" and summary["steps"] == STEPS
+
+    runs = summary["runs"]
+    assert set(runs) == {"fast", "reference"}
+    for name, run in runs.items():
+        assert run["exit"] == 0 and run["steps"] == STEPS, (name, run)
+        assert 0.0 <= run["final_accuracy"] <= 1.0 and run["step_s"] > 0, (name, run)
+        assert (tmp_path / "runs" / name / "metrics.jsonl").is_file()
+    assert runs["fast"]["kernels"] == "auto" and runs["reference"]["kernels"] == "reference"
+    assert runs["fast"]["plan"]["inputs_gpu"] == 2      # no CUDA: the CPU is the device, nothing offloaded
+    # Same seed, data and steps, and on CPU the same ops: the two curves are one.
+    assert summary["steps_compared"] == STEPS and summary["max_abs_accuracy_diff"] == 0.0
+    assert runs["fast"]["final_loss"] == runs["reference"]["final_loss"]
+    assert "| fast | auto |" in done.stdout and "| reference | reference |" in done.stdout
+
+
+def test_fast_settings_force_offload_and_kept_attention_on_a_gpu():
+    kernels, memory = recall_curve.fast_settings(12, on_cuda=True, head_dim=64, kernels=None)
+    assert kernels == "triton"
+    assert memory == ["memory.gpu_layers=6", "memory.offload=true", "memory.full_layers=2",
+                      "memory.kept_attention_layers=null"]
+    # Without the Triton attention the trainer refuses kept attention outputs and full layers.
+    assert recall_curve.fast_settings(2, on_cuda=False, head_dim=16, kernels=None) == (
+        "auto", ["memory.gpu_layers=1", "memory.offload=true", "memory.full_layers=0",
+                 "memory.kept_attention_layers=0"])
+    assert recall_curve.fast_settings(2, on_cuda=True, head_dim=16, kernels=None)[0] == "auto"
+    # Two layers (recall_100m): one input on the GPU, one offloaded, both attention outputs kept.
+    assert recall_curve.fast_settings(2, on_cuda=True, head_dim=128, kernels=None) == (
+        "triton", ["memory.gpu_layers=1", "memory.offload=true", "memory.full_layers=0",
+                   "memory.kept_attention_layers=null"])
+    assert recall_curve.recall_recipe(512) == []
+
+
+def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_at_32k():
+    cfg = recall_100m_at_32k()
+    model = {k: v for k, v in dict(cfg.model).items() if k not in ("name", "path")}
+    arch = LlamaConfig(**model)
+    total, trainable = parameter_counts(arch, cfg.train)
+    assert cfg.train.mode == "full" and trainable == total and 85e6 < total < 115e6, total
+    assert arch.head_dim in (64, 128) and arch.num_key_value_heads < arch.num_attention_heads
+    assert arch.max_position_embeddings >= 32768
+    check_recall(cfg.data, cfg.seq_len, arch.vocab_size)      # raises when the task does not fit
+    supervised = cfg.data.num_pairs * (cfg.data.repeats - 1) + cfg.data.num_queries
+    assert supervised * cfg.batch_size <= MAX_ACCURACY_TOKENS      # the trainer logs accuracy
+    assert cfg.data.repeats == 32768 // recall_curve.RECALL_SPACING and cfg.optim.grad_accum_steps == 2
+    resolve_optim(cfg)
+    assert cfg.optim.lr >= 1e-4         # a from-scratch rate, not the fine-tuning one
