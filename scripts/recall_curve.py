@@ -45,6 +45,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kernels.dispatch import attention_records  # noqa: E402
 from trainer.console import RUN_LOG  # noqa: E402
 from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
 
@@ -56,8 +57,9 @@ COMMON = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint
 # there), and two sequences per step (gradient accumulation: each micro-batch stays under that limit).
 # Measured with the tiny model at 2k tokens (the same recipe scaled down): the learning starts after ~200
 # steps like this, never within 300 with half the recurrences (16 facts x 16) or one sequence per step. On
-# the H100 recall_100m at 32k got only to ~1/8 within 400 steps (naming values of the sequence, not yet the
-# key's), the fast and reference curves together (50-step means 0.058/0.058, 0.097/0.097, 0.127/0.124).
+# the H100 at 32k, 400 steps took recall_100m (12 narrow layers, then 2 wide ones) only to 0.13-0.14, the
+# fast and reference curves together (docs/BENCHMARKS.md): from random init the previous-token head the
+# task needs gets ~1/seq_len of the attention, so the steps it takes grow with the length.
 LONG_RECALL_FROM = 4096
 LONG_RECALL_PAIRS = 8
 RECALL_SPACING = 64
@@ -99,25 +101,15 @@ def cuda_visible(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def triton_attention_runs(kernels: str, on_cuda: bool, head_dim: int) -> bool:
-    """Whether the fast run's attention is the Triton flash attention (kernels.dispatch's rule)."""
-    if kernels == "reference" or (kernels == "auto" and not on_cuda):
-        return False
-    if kernels == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    from kernels.flash_attention import SUPPORTED_HEAD_DIMS
-    return head_dim in SUPPORTED_HEAD_DIMS
-
-
 def fast_settings(layers: int, on_cuda: bool, head_dim: int, kernels: str | None) -> tuple[str, list[str]]:
     """(kernels, memory overrides) of the fast run: Triton kernels on a GPU (`kernels=auto`, the reference,
     elsewhere and for a head dim the Triton attention lacks), the inputs of the top half of the layers
     offloaded, attention outputs kept and FULL_LAYERS full layers (these two only where the Triton attention
     runs: the trainer refuses them for the reference attention, which records nothing for them)."""
     if kernels is None:
-        kernels = "triton" if on_cuda and triton_attention_runs("triton", on_cuda, head_dim) else "auto"
+        kernels = "triton" if on_cuda and attention_records("triton", "cuda", head_dim) else "auto"
     memory = [f"memory.gpu_layers={layers // 2}", "memory.offload=true"]
-    if triton_attention_runs(kernels, on_cuda, head_dim):
+    if attention_records(kernels, "cuda" if on_cuda else "cpu", head_dim):
         # full layers only among the GPU-kept ones below the top one, so one layer input on the GPU stays
         # checkpointed with its attention output kept
         full = max(0, min(FULL_LAYERS, layers // 2 - 1))
