@@ -2,12 +2,14 @@
 # The GPU checks of a session in one call: installs the wheels the GPU image lacks (carried in .whl/, made
 # by ../shared/device/wheels.sh [liger-kernel==0.8.5]), then runs the named steps, logs under $OUT:
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
-#   bash scripts/gpu_session.sh recall_curve      # alone: its two 32k runs take most of a 10-minute call
+#   bash scripts/gpu_session.sh recall_curve      # alone: its two 32k runs take about 5 minutes
+#   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/*.whl && touch /tmp/site/.installed; } || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-$OUT/tuning}
+# The tuning cache stays out of $OUT: at most 8 files come back, and a background job outlives its call's $OUT.
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 # The GPU tests in two halves (together they outlast one 10-minute call); -v names each result as it comes.
@@ -16,6 +18,21 @@ TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_res
   tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py"
 bench() { python3 scripts/bench_train.py "$@" 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
           python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
+# A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end.
+background() { local name=$1; shift; rm -f /tmp/$name.done; touch /tmp/$name.started
+  setsid nohup bash -c "$*; touch /tmp/$name.done" > /tmp/$name.out 2>&1 & }
+running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "${started%.started}.done" ] &&
+  basename "${started%.started}"; done; }
+# Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
+# inputs, kept attention outputs) and on the reference path (400 steps: about 5 minutes); both curves in
+# $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log and metrics in
+# $OUT/recall_runs/.
+recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-400} \
+  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png ${RECALL_ARGS:-}; }
+collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/; mkdir -p $OUT/recall_runs
+  for run in fast reference; do cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
+    cp /tmp/recall_curve/$run/metrics.jsonl $OUT/recall_runs/${run}_metrics.jsonl; done; }
+export -f recall_curve
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -30,12 +47,15 @@ for step in "$@"; do
     full_32k_recompute) bench --seq-len 32768 --steps 3 --train full memory.full_layers=0 memory.kept_attention_layers=0 ;;
     full_64k) bench --seq-len 65536 --steps 3 --train full ;;
     full_131k) bench --seq-len 131072 --steps 2 --train full ;;
-    # One step each at 524k then 262k (minutes each, longer than a call): started under setsid, then
-    # `poll` (again within 30 s of each return, or the idle machine is given back) until both are done.
-    long_steps) setsid nohup bash -c "for s in 524288 262144; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
-        >> /tmp/long_steps.jsonl 2>> /tmp/long_steps.err; done; touch /tmp/long_steps.done" > /dev/null 2>&1 & ;;
-    poll) for i in $(seq ${POLL_S:-550}); do [ -f /tmp/long_steps.done ] && break; sleep 1; done
-        cp /tmp/long_steps.* $OUT/; tail -n 4 /tmp/long_steps.err; cat /tmp/long_steps.jsonl | cut -c1-600 ;;
+    # One step each at 524k then 262k (minutes each, longer than a call), in the background.
+    long_steps) background long_steps "for s in 524288 262144; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
+        >> /tmp/long_steps.jsonl 2>> /tmp/long_steps.err; done" ;;
+    # Waits for the background jobs (again within 30 s of each return, or the idle machine is given back and
+    # they die), then brings back what the finished ones wrote.
+    poll) for i in $(seq ${POLL_S:-550}); do [ -z "$(running_jobs)" ] && break; sleep 1; done
+        echo "still running: $(running_jobs)"
+        [ -f /tmp/long_steps.done ] && { cp /tmp/long_steps.jsonl /tmp/long_steps.err $OUT/; tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; }
+        [ -f /tmp/recall_curve.done ] && { collect_recall_curve; grep -v '^{' /tmp/recall_curve.out | tail -8; } ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
     peer_64k) bench --seq-len 65536 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
@@ -61,16 +81,10 @@ for step in "$@"; do
         LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
-    # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
-    # inputs, kept attention outputs) and on the reference path (~5.5 min); both curves in $OUT/recall_curve.png (for
-    # docs/), the table and JSON in recall_curve.log, each run's log and metrics in $OUT/recall_runs/. Its
-    # tuning cache stays out of $OUT, which brings back 8 files at most.
-    recall_curve) rm -rf /tmp/recall_curve
-        LONGCTX_TUNING_CACHE=/tmp/longctx-tuning python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-400} \
-          --run-root /tmp/recall_curve --out-png $OUT/recall_curve.png ${RECALL_ARGS:-} 2>&1 | tee $OUT/recall_curve.log | grep -v '^{'
-        mkdir -p $OUT/recall_runs
-        for run in fast reference; do cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
-          cp /tmp/recall_curve/$run/metrics.jsonl $OUT/recall_runs/${run}_metrics.jsonl; done ;;
+    # Issue 14's recall curve (recall_curve above).
+    recall_curve) recall_curve 2>&1 | tee /tmp/recall_curve.out | grep -v '^{'; collect_recall_curve ;;
+    # The same in the background, for runs longer than a call (RECALL_STEPS=1000: about 10 minutes); `poll`.
+    recall_curve_bg) background recall_curve recall_curve ;;
     *) echo "unknown step $step" ;;
   esac
 done
