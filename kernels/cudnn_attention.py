@@ -97,13 +97,20 @@ class CudnnAttentionFunction(torch.autograd.Function):
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for group in range(groups):
             queries, keys = _group_heads(group, groups, q_heads), _group_heads(group, groups, k.shape[2])
-            # the statistics of these heads: [B, H, S] sliced on H, contiguous for one row (a copy of
-            # B x S x H/groups floats otherwise)
-            group_grads = _backward(grad_out[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys],
-                                    out[:, :, queries], lse[:, queries].contiguous(), ctx.causal, ctx.scale)
-            for whole, part, heads in zip(grads, group_grads, (queries, keys, keys)):
-                whole[:, :, heads].copy_(part)
+            _backward_group_into(grads, queries, keys, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
         return (*grads, None, None)
+
+
+def _backward_group_into(grads, queries: slice, keys: slice, grad_out, q, k, v, out, lse, causal: bool,
+                         scale: float) -> None:
+    """One group's backward, copied into the whole gradients. A function of its own so that the group's
+    gradients are freed on return, before the next group's call: the planner counts one group's."""
+    # the statistics of these heads: [B, H, S] sliced on H, contiguous for one row (a copy of B x S x H/groups
+    # floats otherwise)
+    group_grads = _backward(grad_out[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys],
+                            out[:, :, queries], lse[:, queries].contiguous(), causal, scale)
+    for whole, part, heads in zip(grads, group_grads, (queries, keys, keys)):
+        whole[:, :, heads].copy_(part)
 
 
 def _group_heads(group: int, groups: int, heads: int) -> slice:

@@ -90,9 +90,14 @@ def test_strided_views_of_one_projection_and_a_broadcast_gradient():
     assert _rel_err(fused.grad, q32.grad) < TOLERANCE
 
 
-def test_backward_stays_within_the_planned_workspace():
-    """The backward's peak beyond its inputs and dq/dk/dv is at most what the planner counts for it."""
+@pytest.mark.parametrize("groups", [1, 4])
+def test_backward_stays_within_the_planned_workspace(monkeypatch, groups):
+    """The backward's peak beyond its inputs and dq/dk/dv is at most what the planner counts for it, in one
+    call and over 4 head groups (a workspace cap of a quarter of one call's: one group's gradients count)."""
     seqlen = 16384
+    whole = cudnn_attention.WORKSPACE_BYTES_PER_QUERY_ELEMENT * seqlen * 32 * 128
+    monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", whole // groups)
+    assert cudnn_attention.backward_head_groups(seqlen, 32, 8, 128) == groups
     q, k, v = _inputs(seqlen)
     out = cudnn_attention.cudnn_attention(q, k, v)
     grad_out = torch.randn_like(out)

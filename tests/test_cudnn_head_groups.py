@@ -1,6 +1,8 @@
 """kernels.cudnn_attention's backward over groups of KV heads, on any device: the cuDNN call is replaced by
 the reference attention's gradients, so what is tested is the grouping (which query heads go with which KV
 heads, the statistics' slices, the copies into the whole gradients) against one call over every head."""
+import weakref
+
 import pytest
 import torch
 
@@ -54,3 +56,24 @@ def test_head_groups_keep_one_call_within_the_cap_and_divide_the_kv_heads():
     assert cudnn_attention.backward_workspace_bytes(131072, 32, 8, 128) == 131072 * whole
     assert cudnn_attention.backward_workspace_bytes(524288, 32, 8, 128) == (
         524288 * whole // 4 + 524288 * (32 + 16) // 4 * 128 * 2)
+
+
+def test_a_groups_gradients_are_freed_before_the_next_group_runs(monkeypatch):
+    """The planner counts one group's gradients beside the workspace: none of an earlier group's may be
+    alive when the next cuDNN call starts."""
+    returned = []
+
+    def backward_checking_the_last_groups_are_gone(*args):
+        assert all(ref() is None for ref in returned), "an earlier group's gradients are still alive"
+        grads = _reference_backward(*args)
+        returned.extend(weakref.ref(grad) for grad in grads)
+        return grads
+
+    monkeypatch.setattr(cudnn_attention, "_backward", backward_checking_the_last_groups_are_gone)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", _forward_stand_in, raising=False)
+    monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", 1)
+    q = torch.randn(1, 24, 8, 16, requires_grad=True)
+    k, v = (torch.randn(1, 24, 4, 16, requires_grad=True) for _ in range(2))
+    assert cudnn_attention.backward_head_groups(24, 8, 4, 16) == 4
+    torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v), (q, k, v), torch.randn(1, 24, 8, 16))
+    assert len(returned) == 3 * 4
