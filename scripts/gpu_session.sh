@@ -18,9 +18,10 @@ TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_res
   tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py"
 bench() { python3 scripts/bench_train.py "$@" 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
           python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
-# A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end.
+# A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end
+# and holds its exit status.
 background() { local name=$1; shift; rm -f /tmp/$name.done; touch /tmp/$name.started
-  setsid nohup bash -c "$*; touch /tmp/$name.done" > /tmp/$name.out 2>&1 & }
+  setsid nohup bash -c "$*; echo \$? > /tmp/$name.done" > /tmp/$name.out 2>&1 & }
 running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "${started%.started}.done" ] &&
   basename "${started%.started}"; done; }
 # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
@@ -54,8 +55,10 @@ for step in "$@"; do
     # they die), then brings back what the finished ones wrote.
     poll) for i in $(seq ${POLL_S:-550}); do [ -z "$(running_jobs)" ] && break; sleep 1; done
         echo "still running: $(running_jobs)"
-        [ -f /tmp/long_steps.done ] && { cp /tmp/long_steps.jsonl /tmp/long_steps.err $OUT/; tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; }
-        [ -f /tmp/recall_curve.done ] && { collect_recall_curve; grep -v '^{' /tmp/recall_curve.out | tail -8; } ;;
+        for done in /tmp/*.done; do [ -e "$done" ] && echo "$(basename ${done%.done}) exit $(cat $done)"; done
+        if [ -f /tmp/long_steps.done ]; then cp /tmp/long_steps.jsonl /tmp/long_steps.err $OUT/
+          tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; fi
+        if [ -f /tmp/recall_curve.done ]; then collect_recall_curve; grep -v '^{' /tmp/recall_curve.out | tail -8; fi ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
     peer_64k) bench --seq-len 65536 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
@@ -82,7 +85,8 @@ for step in "$@"; do
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
     # Issue 14's recall curve (recall_curve above).
-    recall_curve) recall_curve 2>&1 | tee /tmp/recall_curve.out | grep -v '^{'; collect_recall_curve ;;
+    recall_curve) recall_curve 2>&1 | tee /tmp/recall_curve.out | grep -v '^{'; status=${PIPESTATUS[0]}
+        collect_recall_curve; echo "recall_curve exit $status" ;;
     # The same in the background, for runs longer than a call (RECALL_STEPS=1000: about 10 minutes); `poll`.
     recall_curve_bg) background recall_curve recall_curve ;;
     *) echo "unknown step $step" ;;

@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kernels.dispatch import attention_records  # noqa: E402
+from trainer.build import architecture  # noqa: E402
 from trainer.console import RUN_LOG  # noqa: E402
 from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
 
@@ -329,10 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}", *COMMON, *data,
               *args.overrides]
     cfg = composed_config(args.model, shared)
-    arch = cfg["model"]
-    head_dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
+    arch = architecture(cfg["model"])
     on_cuda = cuda_visible(args.device)
-    fast_kernels, fast_memory = fast_settings(arch["num_hidden_layers"], on_cuda, head_dim, args.fast_kernels)
+    fast_kernels, fast_memory = fast_settings(arch.num_hidden_layers, on_cuda, arch.head_dim, args.fast_kernels)
     settings = {"fast": (fast_kernels, fast_memory), "reference": REFERENCE}
 
     root = args.run_root or REPO / "outputs" / "recall_curve" / time.strftime("%Y-%m-%d_%H-%M-%S")
