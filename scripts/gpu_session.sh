@@ -65,7 +65,8 @@ for step in "$@"; do
     # torch.profiler over the last step: GPU time by kind in bench_train.err (scripts/step_profile.py).
     profile_64k) bench --seq-len 65536 --steps 2 --profile ;;
     profile_131k) bench --seq-len 131072 --steps 2 --profile ;;
-    # The training tests that need a GPU, without the offload ones (each half fits one call).
+    # The training tests that need a GPU, without the offload ones. A call of their own: one CUDA case of
+    # test_resume did not finish within 200 s (2026-11-25).
     step_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -v --tb=short tests/test_resume.py tests/test_step.py \
         tests/test_lora_fusion.py tests/test_byte_model.py 2>&1 | tee $OUT/step_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # cuDNN attention's GPU tests, the 524k one (its backward over head groups against flash attention) included.
