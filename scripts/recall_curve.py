@@ -123,17 +123,25 @@ def fast_settings(layers: int, on_cuda: bool, head_dim: int, kernels: str | None
 REFERENCE = ("reference", ["memory.offload=false", "memory.full_layers=0", "memory.kept_attention_layers=0"])
 
 
-def run_job(name: str, command: list[str], run_dir: Path, env: dict) -> dict:
-    """One train.py process; its console output goes to <run_root>/<name>.log."""
+def start_job(name: str, command: list[str], run_dir: Path, env: dict) -> dict:
+    """Start one train.py process; its console output goes to <run_root>/<name>.log."""
     log_path = run_dir.parent / f"{name}.log"
-    started = time.perf_counter()
     print(f"[{name}] {' '.join(command[1:])}", flush=True)
-    with open(log_path, "w") as log:
-        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    wall = time.perf_counter() - started
-    print(f"[{name}] exit {code} after {wall:.0f} s (log {log_path})", flush=True)
-    metrics = run_dir / METRICS_FILE
-    return {"name": name, "exit": code, "wall_s": wall, "log": str(log_path), "run_dir": str(run_dir),
+    with open(log_path, "w") as log:   # the child keeps its own descriptor
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return {"name": name, "process": process, "started": time.perf_counter(), "log": str(log_path),
+            "run_dir": str(run_dir)}
+
+
+def finish_job(job: dict) -> dict:
+    """Wait for a started job; its exit status, wall time and metrics records."""
+    code = job["process"].wait()
+    wall = time.perf_counter() - job["started"]
+    print(f"[{job['name']}] exit {code} after {wall:.0f} s (log {job['log']})", flush=True)
+    if code != 0:
+        print(Path(job["log"]).read_text(errors="replace")[-3000:], flush=True)
+    metrics = Path(job["run_dir"]) / METRICS_FILE
+    return {"name": job["name"], "exit": code, "wall_s": wall, "log": job["log"], "run_dir": job["run_dir"],
             "records": read_records(metrics) if metrics.is_file() else []}
 
 
@@ -322,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fast-kernels", default=None, choices=("auto", "triton"),
                         help="the fast run's kernels (default: triton on a GPU, else auto)")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run both at once (on one GPU they share it: their step times are not each alone's)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config, for both runs")
     args = parser.parse_args(argv)
 
@@ -341,15 +351,16 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{root / name} is not empty: give a new --run-root (each run starts from scratch)")
     root.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    runs = {}
+    jobs, runs = {}, {}
     for name in RUNS:
         kernels, memory = settings[name]
         run_dir = root / name
         command = [sys.executable, "train.py", f"model={args.model}", f"kernels={kernels}", *memory,
                    f"output_dir={run_dir}", *shared]
-        runs[name] = run_job(name, command, run_dir, env)
-        if runs[name]["exit"] != 0:
-            print(Path(runs[name]["log"]).read_text(errors="replace")[-3000:], flush=True)
+        jobs[name] = start_job(name, command, run_dir, env)
+        if not args.concurrent:
+            runs[name] = finish_job(jobs[name])
+    runs = {name: runs.get(name) or finish_job(jobs[name]) for name in RUNS}
 
     facts = {name: run_facts(runs[name]) for name in RUNS}
     difference = accuracy_difference(runs, SMOOTHING)
@@ -374,10 +385,12 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"model": args.model, "params_m": params, "seq_len": cfg["seq_len"], "steps": cfg["max_steps"],
                "batch_size": cfg["batch_size"], "sequences_per_step": sequences, "device": device,
                "png": str(args.out_png), "run_root": str(root),
-               "supervised_per_sequence": supervised, "runs": facts, **difference,
+               "supervised_per_sequence": supervised, "concurrent": args.concurrent, "runs": facts, **difference,
                "fast_path_problems": problems}
     print(f"{args.model} ({params}M parameters), seq_len {cfg['seq_len']}, {steps} steps, {device}")
     print(table(facts, difference))
+    if args.concurrent:
+        print("the two runs ran at once, sharing the device: their step times are not each one's alone")
     for problem in problems:
         print(f"WARNING: the fast run did not exercise the fast path: {problem}")
     print(f"wrote {args.out_png}")

@@ -30,13 +30,13 @@ def recall_100m_at_32k():
 
 def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     png = tmp_path / "curve.png"
-    # One thread per process, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
+    # Both runs at once (--concurrent, as on the GPU), one thread each, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
     # interpreter would not change, and a busy 2-core machine makes spinning OpenMP threads slow.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "scripts/recall_curve.py", "--model", "tiny", "--seq-len", "384", "--steps", str(STEPS),
          "--device", "cpu", "--batch-size", "2", "--log-every", "2", "--run-root", str(tmp_path / "runs"),
-         "--out-png", str(png)],
+         "--out-png", str(png), "--concurrent"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -46,6 +46,7 @@ def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     width, height = struct.unpack(">II", header[16:24])
     assert width > 500 and height > 500
     assert summary["png"] == str(png) and summary["device"] == "CPU" and summary["steps"] == STEPS
+    assert summary["concurrent"] and "the two runs ran at once" in done.stdout
 
     runs = summary["runs"]
     assert set(runs) == {"fast", "reference"}
