@@ -2,7 +2,7 @@
 # The GPU checks of a session in one call: installs the wheels the GPU image lacks (carried in .whl/, made
 # by ../shared/device/wheels.sh [liger-kernel==0.8.5]), then runs the named steps, logs under $OUT:
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
-#   bash scripts/gpu_session.sh recall_curve      # alone: its two 32k runs take about 5 minutes
+#   bash scripts/gpu_session.sh recall_curve_bg poll   # the recall curve: about 6 minutes
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
@@ -25,13 +25,14 @@ background() { local name=$1; shift; rm -f /tmp/$name.done; touch /tmp/$name.sta
 running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "${started%.started}.done" ] &&
   basename "${started%.started}"; done; }
 # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
-# inputs, kept attention outputs) and on the reference path (400 steps: about 5 minutes); both curves in
-# $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log and metrics in
-# $OUT/recall_runs/.
-recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-400} \
-  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png ${RECALL_ARGS:-}; }
+# inputs, kept attention outputs) and on the reference path, both at once from one warm start of 150 steps at
+# 4k; both curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log
+# and metrics in $OUT/recall_runs/.
+recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-600} \
+  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png ${RECALL_ARGS:---concurrent --warm-start-steps 150}; }
 collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/; mkdir -p $OUT/recall_runs
-  for run in fast reference; do cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
+  for run in warm_start fast reference; do [ -d /tmp/recall_curve/$run ] || continue
+    cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
     cp /tmp/recall_curve/$run/metrics.jsonl $OUT/recall_runs/${run}_metrics.jsonl; done; }
 export -f recall_curve
 for step in "$@"; do
@@ -88,7 +89,7 @@ for step in "$@"; do
     # Issue 14's recall curve (recall_curve above).
     recall_curve) recall_curve 2>&1 | tee /tmp/recall_curve.out | grep -v '^{'; status=${PIPESTATUS[0]}
         collect_recall_curve; echo "recall_curve exit $status" ;;
-    # The same in the background, for runs longer than a call (RECALL_STEPS=1000: about 10 minutes); `poll`.
+    # The same in the background, for runs longer than a call; `poll`.
     recall_curve_bg) background recall_curve recall_curve ;;
     *) echo "unknown step $step" ;;
   esac

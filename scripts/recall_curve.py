@@ -2,6 +2,7 @@
 with both accuracy curves (and losses) in one PNG.
 
     python scripts/recall_curve.py [--seq-len 32768] [--steps 400] [--model recall_100m] \
+        [--warm-start-steps 150 --warm-start-len 4096] [--concurrent] \
         [--out-png docs/recall_curve.png] [--run-root DIR] [--device auto] [override ...]
 
 The two runs are `train.py` processes with the same model, seed, data and steps, each in its own output_dir
@@ -22,7 +23,15 @@ under --run-root:
 From LONG_RECALL_FROM tokens the recall task is made for long context (recall_recipe): 8 facts, each
 recurring every 64 tokens (512 times at 32k), 8 queries: 4,096 supervised tokens per sequence, trainer.step's
 limit for logging accuracy, and two sequences per step through gradient accumulation. Shorter sequences keep
-conf/data/recall.yaml's demo settings. Overrides after the options go to both runs (`optim.lr=1e-3`, ...).
+conf/data/recall.yaml's demo settings. Overrides after the options go to every run (`optim.lr=1e-3`, ...).
+
+--warm-start-steps N: both runs start from one model trained N steps at --warm-start-len tokens on the
+reference path (saved at step N, exported with scripts/export.py, loaded through model.path); its curves are
+drawn in gray at steps -N..0. Why: from random init the time to learn the task grows with the context past
+8k tokens (measured on the H100, 2026-11-25, lr 1e-3, 400 steps: recall_100m reaches 0.84 at 4k and 0.21 at
+8k; the tiny model learns by step ~190 at 8k and stays at 0.08 at 32k; recall_100m at 32k is at 0.18 after
+600 steps), as long-context models are pretrained short and then extended. Stopped before its accuracy
+leaves chance, the warm start leaves the learning itself to the 32k runs.
 
 Prints a table (each run's memory plan, final accuracy, step time), the largest difference between the two
 accuracy curves, and a last line of JSON with the same numbers. Exit status 1 when a run failed or, on a
@@ -145,6 +154,28 @@ def finish_job(job: dict) -> dict:
             "records": read_records(metrics) if metrics.is_file() else []}
 
 
+def warm_start(args, root: Path, env: dict) -> tuple[Path, dict]:
+    """Train the model args.warm_start_steps steps at args.warm_start_len tokens on the reference path, save
+    that step and export it as a Hugging Face directory that both long runs load (model.path). Returns the
+    directory and the finished job."""
+    steps, length = args.warm_start_steps, args.warm_start_len
+    run_dir = root / "warm_start"
+    common = [o for o in COMMON if not o.startswith("checkpoint.every_steps=")]
+    command = [sys.executable, "train.py", f"model={args.model}", f"kernels={REFERENCE[0]}", *REFERENCE[1],
+               f"output_dir={run_dir}", f"seq_len={length}", f"batch_size={args.batch_size}", f"max_steps={steps}",
+               f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}",
+               f"checkpoint.every_steps={steps}", *common, *recall_recipe(length), *args.overrides]
+    job = finish_job(start_job("warm_start", command, run_dir, env))
+    if job["exit"] != 0:
+        raise SystemExit(f"the warm start failed (exit {job['exit']}): {job['log']}")
+    model_dir = root / "warm_start_model"
+    export = subprocess.run([sys.executable, "scripts/export.py", str(run_dir / "checkpoints" / f"step-{steps}"),
+                             str(model_dir)], cwd=REPO, env=env, capture_output=True, text=True)
+    if export.returncode != 0:
+        raise SystemExit(f"exporting the warm start failed:\n{export.stdout[-2000:]}{export.stderr[-2000:]}")
+    return model_dir, job
+
+
 def run_facts(run: dict) -> dict:
     """What the run's train.log says about its plan and size, and what its metrics say about its training."""
     text = Path(run["log"]).read_text(errors="replace")
@@ -232,7 +263,7 @@ def label(name: str, facts: dict) -> str:
 
 
 def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: float | None, png: Path,
-         window: int, unbound: float | None = None) -> None:
+         window: int, unbound: float | None = None, warm: dict | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -249,6 +280,14 @@ def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: floa
             axes.plot(steps, values, color=colors[name], alpha=0.3, linewidth=0.8)
             axes.plot(steps, moving_average(values, window), color=colors[name], linewidth=1.8,
                       linestyle=styles[name], label=f"{label(name, facts[name])}, {window}-step mean")
+        if warm:
+            points = curve(warm["records"], metric)
+            if points:
+                last = max(points)
+                steps, values = [step - last for step in points], list(points.values())
+                axes.plot(steps, moving_average(values, window), color="gray", linewidth=1.5,
+                          label=f"warm start at {warm['seq_len']:,} tokens (reference), {window}-step mean")
+                axes.axvline(0, color="gray", linewidth=0.8)
         axes.set_ylabel(metric)
         axes.grid(alpha=0.3)
     if chance:
@@ -330,6 +369,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fast-kernels", default=None, choices=("auto", "triton"),
                         help="the fast run's kernels (default: triton on a GPU, else auto)")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--warm-start-steps", type=int, default=0,
+                        help="first train this many steps at --warm-start-len on the reference path; both runs "
+                             "start from that model (model.path)")
+    parser.add_argument("--warm-start-len", type=int, default=4096)
     parser.add_argument("--concurrent", action="store_true",
                         help="run both at once (on one GPU they share it: their step times are not each alone's)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config, for both runs")
@@ -339,18 +382,22 @@ def main(argv: list[str] | None = None) -> dict:
     shared = [f"seq_len={args.seq_len}", f"batch_size={args.batch_size}", f"max_steps={args.steps}",
               f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}", *COMMON, *data,
               *args.overrides]
+    root = args.run_root or REPO / "outputs" / "recall_curve" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    for name in (*RUNS, "warm_start"):
+        if (root / name).exists() and any((root / name).iterdir()):
+            raise SystemExit(f"{root / name} is not empty: give a new --run-root (each run starts from scratch)")
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    warm = None
+    if args.warm_start_steps:
+        model_dir, warm = warm_start(args, root, env)
+        shared.append(f"model.path={model_dir}")
     cfg = composed_config(args.model, shared)
     arch = architecture(cfg["model"])
     on_cuda = cuda_visible(args.device)
     fast_kernels, fast_memory = fast_settings(arch.num_hidden_layers, on_cuda, arch.head_dim, args.fast_kernels)
     settings = {"fast": (fast_kernels, fast_memory), "reference": REFERENCE}
 
-    root = args.run_root or REPO / "outputs" / "recall_curve" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    for name in RUNS:
-        if (root / name).exists() and any((root / name).iterdir()):
-            raise SystemExit(f"{root / name} is not empty: give a new --run-root (each run starts from scratch)")
-    root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     jobs, runs = {}, {}
     for name in RUNS:
         kernels, memory = settings[name]
@@ -370,22 +417,30 @@ def main(argv: list[str] | None = None) -> dict:
     sequences = cfg["batch_size"] * cfg["optim"]["grad_accum_steps"]
     supervised = (cfg["data"]["num_pairs"] * (cfg["data"]["repeats"] - 1) + cfg["data"]["num_queries"])
     chance = 1 / cfg["data"]["num_values"] if cfg["data"]["name"] == "recall" else None
+    warm_facts = None
+    start = "random init"
+    if warm:
+        warm_facts = run_facts(warm) | {"seq_len": args.warm_start_len}
+        warm["seq_len"] = args.warm_start_len
+        start = (f"from a warm start of {warm_facts['steps']} steps at {args.warm_start_len:,} tokens "
+                 f"(accuracy {warm_facts.get('last10_accuracy', float('nan')):.3f} over its last 10)")
     title = "\n".join([
         f"Recall at {cfg['seq_len']:,} tokens: {args.model} ({params if params is not None else '?'}M parameters, "
-        f"random init), {steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}",
+        f"{start}), {steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}",
         f"fast: {path_text(facts['fast'])}",
         f"reference: {path_text(facts['reference'])}",
         f"{supervised:,} supervised tokens per sequence" + (f", chance accuracy 1/{cfg['data']['num_values']}"
                                                             if chance else "")])
     # A model that names some value of this sequence without binding it to its key scores 1/num_pairs.
     unbound = 1 / cfg["data"]["num_pairs"] if chance and cfg["data"]["num_pairs"] < cfg["data"]["num_values"] else None
-    draw(runs, facts, title, chance, args.out_png, SMOOTHING, unbound)
+    draw(runs, facts, title, chance, args.out_png, SMOOTHING, unbound, warm)
 
     problems = fast_path_problems(facts["fast"])
     summary = {"model": args.model, "params_m": params, "seq_len": cfg["seq_len"], "steps": cfg["max_steps"],
                "batch_size": cfg["batch_size"], "sequences_per_step": sequences, "device": device,
                "png": str(args.out_png), "run_root": str(root),
-               "supervised_per_sequence": supervised, "concurrent": args.concurrent, "runs": facts, **difference,
+               "supervised_per_sequence": supervised, "concurrent": args.concurrent, "warm_start": warm_facts,
+               "runs": facts, **difference,
                "fast_path_problems": problems}
     print(f"{args.model} ({params}M parameters), seq_len {cfg['seq_len']}, {steps} steps, {device}")
     print(table(facts, difference))

@@ -30,13 +30,13 @@ def recall_100m_at_32k():
 
 def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     png = tmp_path / "curve.png"
-    # Both runs at once (--concurrent, as on the GPU), one thread each, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
+    # A warm start, then both runs at once (--concurrent, as on the GPU), one thread each, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
     # interpreter would not change, and a busy 2-core machine makes spinning OpenMP threads slow.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "scripts/recall_curve.py", "--model", "tiny", "--seq-len", "384", "--steps", str(STEPS),
          "--device", "cpu", "--batch-size", "2", "--log-every", "2", "--run-root", str(tmp_path / "runs"),
-         "--out-png", str(png), "--concurrent"],
+         "--out-png", str(png), "--concurrent", "--warm-start-steps", "2", "--warm-start-len", "320"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,6 +47,13 @@ def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     assert width > 500 and height > 500
     assert summary["png"] == str(png) and summary["device"] == "CPU" and summary["steps"] == STEPS
     assert summary["concurrent"] and "the two runs ran at once" in done.stdout
+    # Both runs start from the warm start's model, trained at its own length and exported.
+    assert summary["warm_start"]["steps"] == 2 and summary["warm_start"]["exit"] == 0
+    model_dir = tmp_path / "runs" / "warm_start_model"
+    assert (model_dir / "config.json").is_file()
+    for name in ("fast", "reference"):
+        config = (tmp_path / "runs" / name / "config.yaml").read_text()
+        assert f"path: {model_dir}" in config, config
 
     runs = summary["runs"]
     assert set(runs) == {"fast", "reference"}
