@@ -49,8 +49,9 @@ for step in "$@"; do
     full_32k_recompute) bench --seq-len 32768 --steps 3 --train full memory.full_layers=0 memory.kept_attention_layers=0 ;;
     full_64k) bench --seq-len 65536 --steps 3 --train full ;;
     full_131k) bench --seq-len 131072 --steps 2 --train full ;;
-    # One step each at 524k then 262k (minutes each, longer than a call), in the background.
-    long_steps) background long_steps "for s in 524288 262144; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
+    # One step each at 524k then 262k (minutes each, longer than a call), in the background; LONG_SEQLENS
+    # picks others.
+    long_steps) background long_steps "for s in ${LONG_SEQLENS:-524288 262144}; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
         >> /tmp/long_steps.jsonl 2>> /tmp/long_steps.err; done" ;;
     # Waits for the background jobs (again within 30 s of each return, or the idle machine is given back and
     # they die), then brings back what the finished ones wrote.
