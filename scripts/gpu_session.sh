@@ -2,7 +2,7 @@
 # The GPU checks of a session in one call: installs the wheels the GPU image lacks (carried in .whl/, made
 # by ../shared/device/wheels.sh [liger-kernel==0.8.5]), then runs the named steps, logs under $OUT:
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
-#   bash scripts/gpu_session.sh recall_curve_bg poll   # the recall curve: about 6 minutes
+#   bash scripts/gpu_session.sh recall_curve_bg poll; bash scripts/gpu_session.sh poll   # the recall curve
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
@@ -26,10 +26,11 @@ running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "
   basename "${started%.started}"; done; }
 # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
 # inputs, kept attention outputs) and on the reference path, both at once from one warm start of 150 steps at
-# 4k; both curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log
-# and metrics in $OUT/recall_runs/.
-recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-600} \
-  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png ${RECALL_ARGS:---concurrent --warm-start-steps 150}; }
+# 4k (recall_curve.py's default at 32k). 1200 steps take about 13 minutes: recall_curve_bg, then poll. Both
+# curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log and
+# metrics in $OUT/recall_runs/.
+recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-1200} \
+  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png --concurrent ${RECALL_ARGS:-}; }
 collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/; mkdir -p $OUT/recall_runs
   for run in warm_start fast reference; do [ -d /tmp/recall_curve/$run ] || continue
     cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log

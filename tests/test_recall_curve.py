@@ -87,6 +87,12 @@ def test_fast_settings_force_offload_and_kept_attention_on_a_gpu():
     assert recall_curve.recall_recipe(512) == []
 
 
+def test_long_runs_start_from_a_short_warm_start_unless_told_otherwise():
+    assert recall_curve.warm_start_steps(32768, None) == recall_curve.WARM_START_STEPS > 0
+    assert recall_curve.warm_start_steps(4096, None) == 0
+    assert recall_curve.warm_start_steps(32768, 0) == 0 and recall_curve.warm_start_steps(4096, 7) == 7
+
+
 def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_at_32k():
     cfg = recall_100m_at_32k()
     model = {k: v for k, v in dict(cfg.model).items() if k not in ("name", "path")}
