@@ -27,14 +27,14 @@ running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "
 # Issue 14: recall_100m trained on the recall task at 32k on the fast path (Triton kernels, offloaded layer
 # inputs, kept attention outputs) and on the reference path, both at once from one warm start of 150 steps at
 # 4k (recall_curve.py's default at 32k). 1200 steps take about 13 minutes: recall_curve_bg, then poll. Both
-# curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, each run's log and
-# metrics in $OUT/recall_runs/.
+# curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, every run's log and
+# metrics in $OUT/recall_runs.tar (one file: a call brings back at most 8). To redraw from them:
+# `tar xf recall_runs.tar` and recall_curve.py --redraw recall_runs with the same options.
 recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-1200} \
   --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png --concurrent ${RECALL_ARGS:-}; }
-collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/; mkdir -p $OUT/recall_runs
-  for run in warm_start fast reference; do [ -d /tmp/recall_curve/$run ] || continue
-    cp /tmp/recall_curve/$run.log $OUT/recall_runs/$run.log
-    cp /tmp/recall_curve/$run/metrics.jsonl $OUT/recall_runs/${run}_metrics.jsonl; done; }
+collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/
+  (cd /tmp && tar cf $OUT/recall_runs.tar --transform 's,^recall_curve,recall_runs,' \
+    $(cd /tmp && ls -d recall_curve/*.log recall_curve/*/metrics.jsonl recall_curve/*/train.log 2>/dev/null)); }
 export -f recall_curve
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
@@ -88,10 +88,7 @@ for step in "$@"; do
         LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
-    # Issue 14's recall curve (recall_curve above).
-    recall_curve) recall_curve 2>&1 | tee /tmp/recall_curve.out | grep -v '^{'; status=${PIPESTATUS[0]}
-        collect_recall_curve; echo "recall_curve exit $status" ;;
-    # The same in the background, for runs longer than a call; `poll`.
+    # Issue 14's recall curve (recall_curve above), longer than a call: then `poll`.
     recall_curve_bg) background recall_curve recall_curve ;;
     *) echo "unknown step $step" ;;
   esac

@@ -2,7 +2,7 @@
 with both accuracy curves (and losses) in one PNG.
 
     python scripts/recall_curve.py [--seq-len 32768] [--steps 1200] [--model recall_100m] \
-        [--warm-start-steps 150 --warm-start-len 4096] [--concurrent] \
+        [--warm-start-steps 150 --warm-start-len 4096] [--concurrent] [--redraw RUN_ROOT] \
         [--out-png docs/recall_curve.png] [--run-root DIR] [--device auto] [override ...]
 
 The two runs are `train.py` processes with the same model, seed, data and steps, each in its own output_dir
@@ -27,12 +27,15 @@ conf/data/recall.yaml's demo settings. Overrides after the options go to every r
 
 --warm-start-steps N (by default WARM_START_STEPS from WARM_START_FROM tokens): both runs start from one
 model trained N steps at --warm-start-len tokens on the reference path (saved at step N, exported with
-scripts/export.py, loaded through model.path); its curves are drawn in gray at steps -N..0. Why: from random init the time to learn the task grows with the context past
-8k tokens (measured on the H100, 2026-11-25, lr 1e-3, 400 steps: recall_100m reaches 0.84 at 4k and 0.21 at
-8k; the tiny model learns by step ~190 at 8k and stays at 0.08 at 32k; recall_100m at 32k is at 0.18 after
-600 steps), as long-context models are pretrained short and then extended. 150 steps at 4k leave
+scripts/export.py, loaded through model.path); its curves are drawn in gray at steps 1-N..0. Why: from
+random init the time to learn the task grows with the context past 4k tokens (measured 2026-11-25, lr 1e-3,
+docs/BENCHMARKS.md: on the H100 recall_100m reaches 0.84 in 400 steps at 4k, 0.21 at 8k, and is at 0.18
+after 600 steps at 32k; the tiny model learns by step ~190 at 8k on the CPU, and is at 0.08 after 400 steps
+at 32k on the H100), as long-context models are pretrained short and then extended. 150 steps at 4k leave
 recall_100m at 0.12, about 1/8: it names some value of its sequence but not the key's, so the recall itself
 is learned in the 32k runs.
+
+--redraw RUN_ROOT runs nothing: the table, PNG and summary again from the runs an earlier call left there.
 
 Prints a table (each run's memory plan, final accuracy, step time), the largest difference between the two
 accuracy curves, and a last line of JSON with the same numbers. Exit status 1 when a run failed or, on a
@@ -68,14 +71,15 @@ COMMON = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint
 # there), and two sequences per step (gradient accumulation: each micro-batch stays under that limit).
 # Measured with the tiny model at 2k tokens (the same recipe scaled down): the learning starts after ~200
 # steps like this, never within 300 with half the recurrences (16 facts x 16) or one sequence per step. On
-# the H100 at 32k, 400 steps took recall_100m (12 narrow layers, then 2 wide ones) only to 0.13-0.14, the
-# fast and reference curves together (docs/BENCHMARKS.md). Learning is a sudden change: the tiny model at 4k
-# tokens stays near chance until step ~175 and is at 0.99 by step 225; 32k did not reach it within 400 steps.
+# the H100 at 32k from random init, 400 steps at lr 6e-4 took recall_100m (12 narrow layers, then 2 wide
+# ones) only to 0.13-0.14, the fast and reference curves together (docs/BENCHMARKS.md). Learning is a sudden
+# change: the tiny model at 4k tokens stays near chance until step ~175 and is at 0.99 by step 225.
 LONG_RECALL_FROM = 4096
 # From WARM_START_FROM tokens both runs start from a model trained WARM_START_STEPS steps at 4k (--warm-start-*):
 # from random init recall_100m is at 0.21 after 400 steps at 8k and 0.18 after 600 at 32k, against 0.84 at 4k.
-WARM_START_FROM = 16384
+WARM_START_FROM = 8192
 WARM_START_STEPS = 150
+WARM_START_MODEL = "warm_start_model"       # the warm start's export, under the run root
 LONG_RECALL_PAIRS = 8
 RECALL_SPACING = 64
 MAX_SUPERVISED = 4096
@@ -166,6 +170,29 @@ def finish_job(job: dict) -> dict:
             "records": read_records(metrics) if metrics.is_file() else []}
 
 
+def run_jobs(commands: dict[str, tuple[list[str], Path]], env: dict, concurrent: bool) -> dict[str, dict]:
+    """Run each (command, run_dir) one after the other, or all at once; a job still running when this
+    stops early (an error, Ctrl-C) is terminated rather than left holding the GPU."""
+    jobs, runs = {}, {}
+    try:
+        for name, (command, run_dir) in commands.items():
+            jobs[name] = start_job(name, command, run_dir, env)
+            if not concurrent:
+                runs[name] = finish_job(jobs[name])
+        for name in commands:
+            if name not in runs:
+                runs[name] = finish_job(jobs[name])
+    finally:
+        for job in jobs.values():
+            if job["process"].poll() is None:
+                job["process"].terminate()
+                try:
+                    job["process"].wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    job["process"].kill()
+    return runs
+
+
 def warm_start(args, root: Path, env: dict) -> tuple[Path, dict]:
     """Train the model args.warm_start_steps steps at args.warm_start_len tokens on the reference path, save
     that step and export it as a Hugging Face directory that both long runs load (model.path). Returns the
@@ -177,10 +204,10 @@ def warm_start(args, root: Path, env: dict) -> tuple[Path, dict]:
                f"output_dir={run_dir}", f"seq_len={length}", f"batch_size={args.batch_size}", f"max_steps={steps}",
                f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}",
                f"checkpoint.every_steps={steps}", *common, *recall_recipe(length), *args.overrides]
-    job = finish_job(start_job("warm_start", command, run_dir, env))
+    job = run_jobs({"warm_start": (command, run_dir)}, env, concurrent=False)["warm_start"]
     if job["exit"] != 0:
         raise SystemExit(f"the warm start failed (exit {job['exit']}): {job['log']}")
-    model_dir = root / "warm_start_model"
+    model_dir = root / WARM_START_MODEL
     export = subprocess.run([sys.executable, "scripts/export.py", str(run_dir / "checkpoints" / f"step-{steps}"),
                              str(model_dir)], cwd=REPO, env=env, capture_output=True, text=True)
     if export.returncode != 0:
@@ -203,6 +230,9 @@ def run_facts(run: dict) -> dict:
                          "attention_kept_gpu": int(plan[6]), "attention_kept_host": int(plan[7])}
     size = re.search(r"parameters\s+[\d.]+M trainable of ([\d.]+)M", text)
     kernels = re.search(r"device=(\w+)\S*, kernels=(\w+)", text)       # device=cuda:0, kernels=triton
+    gpu = re.search(r", gpu=([^,\n]+)", text)                          # trainer.loop.gpu_name
+    if gpu:
+        facts["gpu"] = gpu[1].strip()
     if size:
         facts["params_m"] = float(size[1])
     if kernels:
@@ -275,7 +305,7 @@ def label(name: str, facts: dict) -> str:
 
 
 def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: float | None, png: Path,
-         window: int, unbound: float | None = None, warm: dict | None = None) -> None:
+         window: int, unbound: float | None = None, warm: dict | None = None, warm_len: int = 0) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -292,14 +322,13 @@ def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: floa
             axes.plot(steps, values, color=colors[name], alpha=0.3, linewidth=0.8)
             axes.plot(steps, moving_average(values, window), color=colors[name], linewidth=1.8,
                       linestyle=styles[name], label=f"{label(name, facts[name])}, {window}-step mean")
-        if warm:
-            points = curve(warm["records"], metric)
-            if points:
-                last = max(points)
-                steps, values = [step - last for step in points], list(points.values())
-                axes.plot(steps, moving_average(values, window), color="gray", linewidth=1.5,
-                          label=f"warm start at {warm['seq_len']:,} tokens (reference), {window}-step mean")
-                axes.axvline(0, color="gray", linewidth=0.8)
+        points = curve(warm["records"], metric) if warm else {}
+        if points:      # the warm start's last step at 0, so its step N + 1 would be the long runs' step 1
+            last = max(r["step"] for r in warm["records"])
+            steps, values = [step - last for step in points], list(points.values())
+            axes.plot(steps, moving_average(values, window), color="gray", linewidth=1.5,
+                      label=f"warm start at {warm_len:,} tokens (reference), {window}-step mean")
+            axes.axvline(0, color="gray", linewidth=0.8)
         axes.set_ylabel(metric)
         axes.grid(alpha=0.3)
     if chance:
@@ -318,11 +347,13 @@ def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: floa
 
 
 def device_name(facts: dict[str, dict]) -> str:
+    """The GPU the runs logged (older logs name none: then this machine's, or "cuda"), or "CPU"."""
     if any(f.get("device") == "cuda" for f in facts.values()):
+        logged = next((f["gpu"] for f in facts.values() if f.get("gpu")), None)
+        if logged:
+            return logged
         import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-        return "cuda"
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
     return "CPU"
 
 
@@ -378,22 +409,22 @@ def report(args, cfg: dict, root: Path, runs: dict[str, dict], warm: dict | None
     supervised = (cfg["data"]["num_pairs"] * (cfg["data"]["repeats"] - 1) + cfg["data"]["num_queries"])
     chance = 1 / cfg["data"]["num_values"] if cfg["data"]["name"] == "recall" else None
     warm_facts = None
-    start = "from random init"
+    start_text = "from random init"
     if warm:
         warm_facts = run_facts(warm) | {"seq_len": args.warm_start_len}
-        warm["seq_len"] = args.warm_start_len
-        start = (f"from a warm start of {warm_facts['steps']} steps at {args.warm_start_len:,} tokens on the "
-                 f"reference path (accuracy {warm_facts.get('last10_accuracy', float('nan')):.3f} over its last 10)")
+        start_text = (f"from a warm start of {warm_facts['steps']} steps at {args.warm_start_len:,} tokens on the "
+                      f"reference path (accuracy {warm_facts.get('last10_accuracy', float('nan')):.3f} over its "
+                      "last 10)")
     title = "\n".join([
         f"Recall at {cfg['seq_len']:,} tokens: {args.model} ({params if params is not None else '?'}M parameters), "
-        f"{steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}", start,
+        f"{steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}", start_text,
         f"fast: {path_text(facts['fast'])}",
         f"reference: {path_text(facts['reference'])}",
         f"{supervised:,} supervised tokens per sequence" + (f", chance accuracy 1/{cfg['data']['num_values']}"
                                                             if chance else "")])
     # A model that names some value of this sequence without binding it to its key scores 1/num_pairs.
     unbound = 1 / cfg["data"]["num_pairs"] if chance and cfg["data"]["num_pairs"] < cfg["data"]["num_values"] else None
-    draw(runs, facts, title, chance, args.out_png, SMOOTHING, unbound, warm)
+    draw(runs, facts, title, chance, args.out_png, SMOOTHING, unbound, warm, args.warm_start_len)
 
     problems = fast_path_problems(facts["fast"])
     summary = {"model": args.model, "params_m": params, "seq_len": cfg["seq_len"], "steps": cfg["max_steps"],
@@ -411,6 +442,31 @@ def report(args, cfg: dict, root: Path, runs: dict[str, dict], warm: dict | None
     print(f"wrote {args.out_png}")
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def check_warm_start(args) -> None:
+    """Refuse a warm start that would train another task or another model than the long runs'."""
+    if not args.warm_start_steps:
+        return
+    if args.seq_len >= LONG_RECALL_FROM > args.warm_start_len:
+        raise SystemExit(f"--warm-start-len {args.warm_start_len} is below {LONG_RECALL_FROM}, where the recall task "
+                         f"has other keys and values than at --seq-len {args.seq_len}: use --warm-start-len >= "
+                         f"{LONG_RECALL_FROM}")
+    if any(override.startswith("model.path=") for override in args.overrides):
+        raise SystemExit("model.path is what the warm start hands to the long runs: give --warm-start-steps 0 to "
+                         "start them from your model.path")
+
+
+def finished_runs(root: Path, args) -> tuple[dict[str, dict], dict | None]:
+    """The runs (and warm start) under an earlier run root, as run_jobs returns them; a run counts as
+    finished (exit 0) when its metrics have every step (--steps, --warm-start-steps)."""
+    def finished(name: str, steps: int) -> dict:
+        metrics = root / name / METRICS_FILE
+        records = read_records(metrics) if metrics.is_file() else []
+        return {"name": name, "exit": 0 if len(records) == steps else 1, "wall_s": float("nan"),
+                "log": str(root / f"{name}.log"), "run_dir": str(root / name), "records": records}
+    warm = finished("warm_start", args.warm_start_steps) if (root / "warm_start").is_dir() else None
+    return {name: finished(name, args.steps) for name in RUNS}, warm
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -434,16 +490,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warm-start-len", type=int, default=4096)
     parser.add_argument("--concurrent", action="store_true",
                         help="run both at once (on one GPU they share it: their step times are not each alone's)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config, for both runs")
+    parser.add_argument("--redraw", type=Path, default=None, metavar="RUN_ROOT",
+                        help="run nothing: the table, PNG and summary again from the runs under RUN_ROOT (give "
+                             "the options they ran with)")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides of the trainer config, for every run (the warm start's too)")
     args = parser.parse_args(argv)
     args.warm_start_steps = warm_start_steps(args.seq_len, args.warm_start_steps)
+    check_warm_start(args)
 
-    data = recall_recipe(args.seq_len)
     shared = [f"seq_len={args.seq_len}", f"batch_size={args.batch_size}", f"max_steps={args.steps}",
-              f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}", *COMMON, *data,
-              *args.overrides]
+              f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}", *COMMON,
+              *recall_recipe(args.seq_len), *args.overrides]
+    cfg = composed_config(args.model, shared)       # a bad override fails here, before any run
+    if args.redraw:
+        return report(args, cfg, args.redraw, *finished_runs(args.redraw, args))
     root = args.run_root or REPO / "outputs" / "recall_curve" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    for name in (*RUNS, "warm_start"):
+    for name in (*RUNS, "warm_start", WARM_START_MODEL):
         if (root / name).exists() and any((root / name).iterdir()):
             raise SystemExit(f"{root / name} is not empty: give a new --run-root (each run starts from scratch)")
     root.mkdir(parents=True, exist_ok=True)
@@ -452,23 +515,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warm_start_steps:
         model_dir, warm = warm_start(args, root, env)
         shared.append(f"model.path={model_dir}")
-    cfg = composed_config(args.model, shared)
     arch = architecture(cfg["model"])
     on_cuda = cuda_visible(args.device)
     fast_kernels, fast_memory = fast_settings(arch.num_hidden_layers, on_cuda, arch.head_dim, args.fast_kernels)
-    settings = {"fast": (fast_kernels, fast_memory), "reference": REFERENCE}
-
-    jobs, runs = {}, {}
-    for name in RUNS:
-        kernels, memory = settings[name]
-        run_dir = root / name
-        command = [sys.executable, "train.py", f"model={args.model}", f"kernels={kernels}", *memory,
-                   f"output_dir={run_dir}", *shared]
-        jobs[name] = start_job(name, command, run_dir, env)
-        if not args.concurrent:
-            runs[name] = finish_job(jobs[name])
-    runs = {name: runs.get(name) or finish_job(jobs[name]) for name in RUNS}
-
+    commands = {}
+    for name, (kernels, memory) in (("fast", (fast_kernels, fast_memory)), ("reference", REFERENCE)):
+        commands[name] = ([sys.executable, "train.py", f"model={args.model}", f"kernels={kernels}", *memory,
+                           f"output_dir={root / name}", *shared], root / name)
+    runs = run_jobs(commands, env, args.concurrent)
     return report(args, cfg, root, runs, warm)
 
 

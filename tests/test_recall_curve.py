@@ -28,16 +28,20 @@ def recall_100m_at_32k():
         return compose("config", overrides=["model=recall_100m", "seq_len=32768", "max_steps=300", *overrides])
 
 
-def test_script_runs_both_paths_and_draws_one_png(tmp_path):
-    png = tmp_path / "curve.png"
-    # A warm start, then both runs at once (--concurrent, as on the GPU), one thread each, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
+def run_script(*options: str) -> subprocess.CompletedProcess:
+    # One thread per process, no interpreter: on CPU the fast run's kernels=auto is the reference, which the
     # interpreter would not change, and a busy 2-core machine makes spinning OpenMP threads slow.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "scripts/recall_curve.py", "--model", "tiny", "--seq-len", "384", "--steps", str(STEPS),
-         "--device", "cpu", "--batch-size", "2", "--log-every", "2", "--run-root", str(tmp_path / "runs"),
-         "--out-png", str(png), "--concurrent", "--warm-start-steps", "2", "--warm-start-len", "320"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "scripts/recall_curve.py", *options], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_script_runs_both_paths_and_draws_one_png(tmp_path):
+    png, root = tmp_path / "curve.png", tmp_path / "runs"
+    # A warm start, then both runs at once (--concurrent, as on the GPU).
+    options = ["--model", "tiny", "--seq-len", "384", "--steps", str(STEPS), "--device", "cpu", "--batch-size", "2",
+               "--log-every", "2", "--concurrent", "--warm-start-steps", "2", "--warm-start-len", "320"]
+    done = run_script(*options, "--run-root", str(root), "--out-png", str(png))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -46,21 +50,21 @@ def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     width, height = struct.unpack(">II", header[16:24])
     assert width > 500 and height > 500
     assert summary["png"] == str(png) and summary["device"] == "CPU" and summary["steps"] == STEPS
+    # At once: the reference run started before the fast one ended.
+    assert done.stdout.index("[reference] ") < done.stdout.index("[fast] exit")
     assert summary["concurrent"] and "the two runs ran at once" in done.stdout
     # Both runs start from the warm start's model, trained at its own length and exported.
     assert summary["warm_start"]["steps"] == 2 and summary["warm_start"]["exit"] == 0
-    model_dir = tmp_path / "runs" / "warm_start_model"
-    assert (model_dir / "config.json").is_file()
+    model_dir = root / recall_curve.WARM_START_MODEL
     for name in ("fast", "reference"):
-        config = (tmp_path / "runs" / name / "config.yaml").read_text()
-        assert f"path: {model_dir}" in config, config
+        assert f"loaded tiny from {model_dir}" in (root / name / "train.log").read_text()
 
     runs = summary["runs"]
     assert set(runs) == {"fast", "reference"}
     for name, run in runs.items():
         assert run["exit"] == 0 and run["steps"] == STEPS, (name, run)
         assert 0.0 <= run["final_accuracy"] <= 1.0 and run["step_s"] > 0, (name, run)
-        assert (tmp_path / "runs" / name / "metrics.jsonl").is_file()
+        assert (root / name / "metrics.jsonl").is_file()
     assert runs["fast"]["kernels"] == "auto" and runs["reference"]["kernels"] == "reference"
     assert runs["fast"]["plan"]["inputs_gpu"] == 2      # no CUDA: the CPU is the device, nothing offloaded
     # Same seed, data and steps, and on CPU the same ops (kernels=auto is the reference there): the two
@@ -68,6 +72,28 @@ def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     assert summary["steps_compared"] == STEPS and summary["max_abs_accuracy_diff"] == 0.0
     assert runs["fast"]["final_loss"] == runs["reference"]["final_loss"]
     assert "| fast | auto |" in done.stdout and "| reference | reference |" in done.stdout
+
+    # --redraw: the same numbers from the run root, without running anything.
+    redrawn = run_script(*options, "--redraw", str(root), "--out-png", str(tmp_path / "again.png"))
+    assert redrawn.returncode == 0, redrawn.stdout[-3000:] + redrawn.stderr[-3000:]
+    again = json.loads(redrawn.stdout.strip().splitlines()[-1])
+    assert "[fast] " not in redrawn.stdout and (tmp_path / "again.png").is_file()
+    for name in ("fast", "reference"):
+        assert again["runs"][name]["final_loss"] == runs[name]["final_loss"]
+    assert again["warm_start"]["steps"] == 2
+    # A run that left no metrics is reported as failed, and the exit status says so.
+    (root / "reference" / "metrics.jsonl").unlink()
+    failed = run_script(*options, "--redraw", str(root), "--out-png", str(tmp_path / "failed.png"))
+    assert failed.returncode == 1 and "| reference | failed (exit 1) |" in failed.stdout, failed.stdout[-2000:]
+
+
+def test_a_warm_start_on_another_task_or_over_a_given_model_is_refused(tmp_path):
+    common = ["--model", "tiny", "--device", "cpu", "--run-root", str(tmp_path / "runs")]
+    other_task = run_script(*common, "--seq-len", "8192", "--warm-start-len", "1024")
+    assert other_task.returncode != 0 and "--warm-start-len 1024 is below 4096" in other_task.stderr
+    given_model = run_script(*common, "--seq-len", "8192", f"model.path={tmp_path}")
+    assert given_model.returncode != 0 and "--warm-start-steps 0" in given_model.stderr
+    assert not (tmp_path / "runs").exists()         # refused before anything ran
 
 
 def test_fast_settings_force_offload_and_kept_attention_on_a_gpu():
@@ -107,3 +133,14 @@ def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_
     assert cfg.data.repeats == 32768 // recall_curve.RECALL_SPACING and cfg.optim.grad_accum_steps == 2
     resolve_optim(cfg)
     assert cfg.optim.lr >= 1e-4         # a from-scratch rate, not the fine-tuning one
+
+
+def test_the_gpu_named_in_a_run_log_titles_the_figure(tmp_path):
+    log = tmp_path / "fast.log"
+    log.write_text("  model        recall_100m (random init), train.mode=full, device=cuda:0, kernels=triton, "
+                   "gpu=NVIDIA H100 80GB HBM3\n")
+    facts = recall_curve.run_facts({"exit": 0, "wall_s": 1.0, "records": [], "log": str(log),
+                                    "run_dir": str(tmp_path / "fast")})
+    assert facts["device"] == "cuda" and facts["kernels"] == "triton" and facts["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert recall_curve.device_name({"fast": facts}) == "NVIDIA H100 80GB HBM3"
+    assert recall_curve.device_name({"fast": {"device": "cpu"}}) == "CPU"

@@ -80,6 +80,11 @@ def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: tor
         metrics_log.add_source(lambda: {"gpu_planned_peak_gib": built.plan.gpu_peak / GIB})
 
 
+def gpu_name(device: torch.device) -> str:
+    """", gpu=<name>" on a CUDA device (the run's log then says which GPU its step times are from), else ""."""
+    return f", gpu={torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+
+
 def train(cfg) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
@@ -144,7 +149,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     flops = step_flops(total, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len, sequences)
     startup_summary({
         "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
-                 f"device={device}, kernels={kernels.get_backend()}",
+                 f"device={device}, kernels={kernels.get_backend()}{gpu_name(device)}",
         "processes": (f"{world.size} (sequence parallel over {world.sequence}, data parallel over "
                       f"{world.data_parallel}{sharding(model)}); rank 0 writes the run directory"
                       if world.distributed else "1"),
