@@ -44,10 +44,14 @@ def supports(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> bool:
             and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.stride(-1) == 1 and k.stride(-1) == 1)
 
 
+def _one_call_workspace_bytes(tokens: int, q_heads: int, head_dim: int) -> int:
+    return WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
+
+
 def backward_head_groups(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
     """How many groups of KV heads the backward runs over: the fewest that divide the KV heads and keep one
     call's workspace within MAX_WORKSPACE_BYTES (one group per KV head at most)."""
-    whole = WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
+    whole = _one_call_workspace_bytes(tokens, q_heads, head_dim)
     return next((groups for groups in range(1, kv_heads) if kv_heads % groups == 0
                  and whole <= groups * MAX_WORKSPACE_BYTES), kv_heads)
 
@@ -56,7 +60,7 @@ def backward_workspace_bytes(tokens: int, q_heads: int, kv_heads: int, head_dim:
     """The backward's memory beyond its inputs and the gradients it returns: one call's workspace and, over
     several head groups, the group's gradients before they are copied into the whole ones."""
     groups = backward_head_groups(tokens, q_heads, kv_heads, head_dim)
-    workspace = WORKSPACE_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim // groups
+    workspace = _one_call_workspace_bytes(tokens, q_heads, head_dim) // groups
     if groups == 1:
         return workspace
     return workspace + tokens * (q_heads + 2 * kv_heads) // groups * head_dim * dtype_bytes

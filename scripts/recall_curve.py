@@ -64,8 +64,8 @@ from trainer.console import RUN_LOG  # noqa: E402
 from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
 
 RUNS = ("fast", "reference")
-COMMON = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint.every_steps=0",
-          "checkpoint.every_minutes=0", "checkpoint.save_random_base=false", "resume=false"]
+COMMON = ["logger.wandb.mode=disabled", "logger.progress_bar=false", "checkpoint.every_minutes=0",
+          "checkpoint.save_random_base=false", "resume=false"]
 # The recall task at long context (from LONG_RECALL_FROM tokens): LONG_RECALL_PAIRS facts, each recurring once
 # per RECALL_SPACING tokens, at most 4,096 supervised tokens per sequence (trainer.step logs accuracy up to
 # there), and two sequences per step (gradient accumulation: each micro-batch stays under that limit).
@@ -148,6 +148,25 @@ def fast_settings(layers: int, on_cuda: bool, head_dim: int, kernels: str | None
 REFERENCE = ("reference", ["memory.offload=false", "memory.full_layers=0", "memory.kept_attention_layers=0"])
 
 
+def run_overrides(args, seq_len: int, steps: int, checkpoint_every: int = 0) -> list[str]:
+    """A run's trainer overrides: length, steps, the recall recipe of that length, the user's last."""
+    return [f"seq_len={seq_len}", f"batch_size={args.batch_size}", f"max_steps={steps}", f"seed={args.seed}",
+            f"device={args.device}", f"log_every={args.log_every}", f"checkpoint.every_steps={checkpoint_every}",
+            *COMMON, *recall_recipe(seq_len), *args.overrides]
+
+
+def train_command(args, kernels: str, memory: list[str], run_dir: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "train.py", f"model={args.model}", f"kernels={kernels}", *memory,
+            f"output_dir={run_dir}", *overrides]
+
+
+def run_result(name: str, code: int, wall_s: float, log: str, run_dir: Path) -> dict:
+    """A finished run as report() takes it: its exit status, wall time and metrics records."""
+    metrics = Path(run_dir) / METRICS_FILE
+    return {"name": name, "exit": code, "wall_s": wall_s, "log": str(log), "run_dir": str(run_dir),
+            "records": read_records(metrics) if metrics.is_file() else []}
+
+
 def start_job(name: str, command: list[str], run_dir: Path, env: dict) -> dict:
     """Start one train.py process; its console output goes to <run_root>/<name>.log."""
     log_path = run_dir.parent / f"{name}.log"
@@ -165,9 +184,7 @@ def finish_job(job: dict) -> dict:
     print(f"[{job['name']}] exit {code} after {wall:.0f} s (log {job['log']})", flush=True)
     if code != 0:
         print(Path(job["log"]).read_text(errors="replace")[-3000:], flush=True)
-    metrics = Path(job["run_dir"]) / METRICS_FILE
-    return {"name": job["name"], "exit": code, "wall_s": wall, "log": job["log"], "run_dir": job["run_dir"],
-            "records": read_records(metrics) if metrics.is_file() else []}
+    return run_result(job["name"], code, wall, job["log"], job["run_dir"])
 
 
 def run_jobs(commands: dict[str, tuple[list[str], Path]], env: dict, concurrent: bool) -> dict[str, dict]:
@@ -199,11 +216,7 @@ def warm_start(args, root: Path, env: dict) -> tuple[Path, dict]:
     directory and the finished job."""
     steps, length = args.warm_start_steps, args.warm_start_len
     run_dir = root / "warm_start"
-    common = [o for o in COMMON if not o.startswith("checkpoint.every_steps=")]
-    command = [sys.executable, "train.py", f"model={args.model}", f"kernels={REFERENCE[0]}", *REFERENCE[1],
-               f"output_dir={run_dir}", f"seq_len={length}", f"batch_size={args.batch_size}", f"max_steps={steps}",
-               f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}",
-               f"checkpoint.every_steps={steps}", *common, *recall_recipe(length), *args.overrides]
+    command = train_command(args, *REFERENCE, run_dir, run_overrides(args, length, steps, checkpoint_every=steps))
     job = run_jobs({"warm_start": (command, run_dir)}, env, concurrent=False)["warm_start"]
     if job["exit"] != 0:
         raise SystemExit(f"the warm start failed (exit {job['exit']}): {job['log']}")
@@ -461,10 +474,8 @@ def finished_runs(root: Path, args) -> tuple[dict[str, dict], dict | None]:
     """The runs (and warm start) under an earlier run root, as run_jobs returns them; a run counts as
     finished (exit 0) when its metrics have every step (--steps, --warm-start-steps)."""
     def finished(name: str, steps: int) -> dict:
-        metrics = root / name / METRICS_FILE
-        records = read_records(metrics) if metrics.is_file() else []
-        return {"name": name, "exit": 0 if len(records) == steps else 1, "wall_s": float("nan"),
-                "log": str(root / f"{name}.log"), "run_dir": str(root / name), "records": records}
+        run = run_result(name, 0, float("nan"), root / f"{name}.log", root / name)
+        return run | {"exit": 0 if len(run["records"]) == steps else 1}
     warm = finished("warm_start", args.warm_start_steps) if (root / "warm_start").is_dir() else None
     return {name: finished(name, args.steps) for name in RUNS}, warm
 
@@ -499,9 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.warm_start_steps = warm_start_steps(args.seq_len, args.warm_start_steps)
     check_warm_start(args)
 
-    shared = [f"seq_len={args.seq_len}", f"batch_size={args.batch_size}", f"max_steps={args.steps}",
-              f"seed={args.seed}", f"device={args.device}", f"log_every={args.log_every}", *COMMON,
-              *recall_recipe(args.seq_len), *args.overrides]
+    shared = run_overrides(args, args.seq_len, args.steps)
     cfg = composed_config(args.model, shared)       # a bad override fails here, before any run
     if args.redraw:
         return report(args, cfg, args.redraw, *finished_runs(args.redraw, args))
@@ -518,10 +527,8 @@ def main(argv: list[str] | None = None) -> dict:
     arch = architecture(cfg["model"])
     on_cuda = cuda_visible(args.device)
     fast_kernels, fast_memory = fast_settings(arch.num_hidden_layers, on_cuda, arch.head_dim, args.fast_kernels)
-    commands = {}
-    for name, (kernels, memory) in (("fast", (fast_kernels, fast_memory)), ("reference", REFERENCE)):
-        commands[name] = ([sys.executable, "train.py", f"model={args.model}", f"kernels={kernels}", *memory,
-                           f"output_dir={root / name}", *shared], root / name)
+    commands = {name: (train_command(args, kernels, memory, root / name, shared), root / name)
+                for name, (kernels, memory) in (("fast", (fast_kernels, fast_memory)), ("reference", REFERENCE))}
     runs = run_jobs(commands, env, args.concurrent)
     return report(args, cfg, root, runs, warm)
 
