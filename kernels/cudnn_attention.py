@@ -1,8 +1,10 @@
-"""Attention through cuDNN's fused attention kernels (PyTorch's aten ops), on Hopper GPUs.
+"""Attention with cuDNN's fused backward (PyTorch's aten ops), on Hopper GPUs.
 
-Measured on the H100 (docs/BENCHMARKS.md), cuDNN's forward+backward runs at 530-566 TFLOP/s against
-393-430 for kernels.flash_attention, so `kernels=auto` uses it there for rows without packed documents
-(kernels.dispatch). Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
+Measured on the H100 (docs/BENCHMARKS.md), cuDNN's backward is faster than kernels.flash_attention's
+(forward+backward 530-566 TFLOP/s against 393-430), so `kernels=auto` uses it there for rows without packed
+documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
+(kernels/flash_attention_hopper.py, faster than cuDNN's own) wherever it runs, with its log-sum-exp turned
+into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward otherwise. Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
 [B, S, Hkv, D], GQA without repeating K/V) and the same attention-tape protocol as flash_attention: the
 forward records (out, lse); under a replaying tape the recomputation returns the recorded output and runs
 no forward kernel.
@@ -20,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels import attention_tape
+from kernels import attention_tape, flash_attention, flash_attention_hopper
 
+LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Measured peak memory of the aten backward beyond its inputs and dq/dk/dv, per query element (token x
@@ -76,9 +79,7 @@ class CudnnAttentionFunction(torch.autograd.Function):
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
         if saved is None:
-            result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale)
-            out, lse = _heads_first(result[0]), result[1]
+            out, lse = _forward(q, k, v, causal, scale)
             attention_tape.record(out, lse)
         else:
             out, lse = saved
@@ -103,6 +104,18 @@ class CudnnAttentionFunction(torch.autograd.Function):
             queries, keys = _group_heads(group, groups, q_heads), _group_heads(group, groups, k.shape[2])
             _backward_group_into(grads, queries, keys, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
         return (*grads, None, None)
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    """(out [B, S, H, D], cuDNN's softmax statistics [B, H, S, 1]) for cuDNN's backward."""
+    if flash_attention_hopper.supports(q) and all(flash_attention.tma_compatible(t) for t in (q, k, v)):
+        flash_attention.ensure_allocator(q.device)
+        out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,
+                                                                 scale * flash_attention.LOG2E)
+        return out, lse_log2.mul_(LN2).unsqueeze(-1)
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale)
+    return _heads_first(result[0]), result[1]
 
 
 def _backward_group_into(grads, queries: slice, keys: slice, grad_out, q, k, v, out, lse, causal: bool,

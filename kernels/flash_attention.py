@@ -18,6 +18,10 @@ the query heads of its group (dk/dv are summed in registers: deterministic, no a
 per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
 past the end of the sequence.
 
+On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon, warp-specialized:
+faster than this Triton forward and than cuDNN's, docs/BENCHMARKS.md); fp32 inputs and other GPUs run the one
+here, which remains the contract that kernel's tests hold it to.
+
 Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
 rewrite-tensor-descriptor-to-pointer pass turns each descriptor load/store into masked pointer loads/stores,
 and the products use mma.sync instead of wgmma. tests/test_sm80_compile.py compiles every kernel for sm_80;
@@ -31,7 +35,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from kernels import attention_tape, tuning_cache
+from kernels import attention_tape, flash_attention_hopper, tuning_cache
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
@@ -392,7 +396,7 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator(device: torch.device) -> None:
+def ensure_allocator(device: torch.device) -> None:
     if device.type == "cuda":
         triton.set_allocator(_scratch)
 
@@ -441,7 +445,7 @@ def _fold_batch(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(1, batch * seqlen, *t.shape[2:]) if batch > 1 else t
 
 
-def _tma_compatible(t: torch.Tensor) -> bool:
+def tma_compatible(t: torch.Tensor) -> bool:
     """Tensor descriptors need a contiguous last dim and 16-byte aligned base and strides."""
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0
             and all(s * t.element_size() % 16 == 0 and s > 0 for s in t.stride()[:3]))
@@ -463,7 +467,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")
-        if not _tma_compatible(t):
+        if not tma_compatible(t):
             raise ValueError(f"{name} must be 16-byte aligned with 16-byte multiple strides, got strides "
                              f"{tuple(t.stride())}")
 
@@ -473,6 +477,8 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float):
+    if flash_attention_hopper.supports(q):
+        return flash_attention_hopper.attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale * LOG2E)
     batch, seqlen, q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
@@ -498,7 +504,7 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     _attn_bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
         out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
 
-    if not _tma_compatible(do):
+    if not tma_compatible(do):
         # Autograd can hand a broadcast gradient (stride 0, e.g. from out.sum()) that no tensor descriptor
         # can describe: the only copy this op makes, and only for such layouts.
         do = do.contiguous()
@@ -519,7 +525,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         _check_inputs(q, k, v)
         batch, seqlen = q.shape[:2]
         sm_scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
-        _ensure_allocator(q.device)
+        ensure_allocator(q.device)
         doc_start = doc_end = None
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, batch, seqlen)
@@ -542,7 +548,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
-        _ensure_allocator(q.device)
+        ensure_allocator(q.device)
         # Packed documents fold the batch; reshape is a view for any gradient the model produces.
         grad_out = grad_out.reshape(out.shape)
         dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale)

@@ -1,4 +1,5 @@
-"""Compile every Triton kernel of kernels/ for the A100 (sm_80), on any machine: no GPU, no CUDA driver.
+"""Compile every Triton kernel of kernels/ for the A100 (sm_80), and the Gluon Hopper forward
+(kernels/flash_attention_hopper.py, which only Hopper runs) for sm_90a, on any machine: no GPU, no CUDA driver.
 
 Triton's wheel carries everything its NVIDIA backend needs (libtriton's MLIR/LLVM passes, libdevice, ptxas),
 so `triton.compile` with an explicit GPUTarget("cuda", 80, 32) runs down to a cubin on a CPU-only host. It
@@ -17,7 +18,10 @@ import importlib
 import json
 import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -26,17 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels  # noqa: E402
 
 # By module path: kernels/__init__.py binds some of these names to the ops (functions) instead.
-_row_norm, adamw_update, fa, layer_norm, linear_cross_entropy, rms_norm, rope, swiglu = (
+_row_norm, adamw_update, fa, fa_hopper, layer_norm, linear_cross_entropy, rms_norm, rope, swiglu = (
     importlib.import_module(f"kernels.{name}") for name in
-    ("_row_norm", "adamw_update", "flash_attention", "layer_norm", "linear_cross_entropy", "rms_norm", "rope",
-     "swiglu"))
+    ("_row_norm", "adamw_update", "flash_attention", "flash_attention_hopper", "layer_norm", "linear_cross_entropy",
+     "rms_norm", "rope", "swiglu"))
 
 A100 = GPUTarget("cuda", 80, 32)
+H100 = GPUTarget("cuda", 90, 32)
 # The attention kernels' tensors: bf16 except the fp32 row statistics and the int32 document bounds.
 ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32"}
 ATTENTION_SCALARS = {"qk_scale_log2": "fp32", "sm_scale": "fp32"}
@@ -52,6 +58,15 @@ def _attention(fn, configs, all_configs: bool):
             for has_docs in ((False, True) if all_configs else (False,))]
 
 
+def _hopper_forward(all_configs: bool):
+    """The Gluon forward at D=128 with and without documents, and with --all-configs at D=64 and not causal."""
+    shapes = [(128, True, False), (128, True, True)] + ([(64, True, False), (128, False, True)] if all_configs else [])
+    launch = dict(num_warps=4, maxnreg=fa_hopper.MAX_REGISTERS)
+    return [(fa_hopper._attn_fwd_kernel, {"GROUP": 4, "HEAD_DIM": head_dim, "CAUSAL": causal, "HAS_DOCS": docs,
+                                          "BLOCK_N": fa_hopper.BLOCK_N, "NUM_STAGES": fa_hopper.NUM_STAGES},
+             launch, ATTENTION_POINTERS, ATTENTION_SCALARS) for head_dim, causal, docs in shapes]
+
+
 def compile_jobs(all_configs: bool) -> list[tuple]:
     """(kernel, constexprs, options, pointer dtypes, scalar dtypes) per compile; a pointer not named takes
     bf16 (attention kernels: upper-case names; the others: names ending in _ptr), a scalar not named i32."""
@@ -61,6 +76,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
         *_attention(fa._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
         *_attention(fa._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
         *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
+        *_hopper_forward(all_configs),
         (fa._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
         (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
          {"eps": "fp32"}),
@@ -92,33 +108,51 @@ def project_kernels() -> set[str]:
 
 
 def _is_pointer(fn, name: str) -> bool:
-    return name.endswith("_ptr") or (name.isupper() and fn.__module__ == fa.__name__)
+    return name.endswith("_ptr") or (name.isupper() and fn.__module__ in (fa.__name__, fa_hopper.__name__))
 
 
-def compile_for_a100(all_configs: bool, index: int) -> dict:
-    """The index-th job (jobs hold kernels, which do not pickle: a worker rebuilds the list)."""
+def _spill_bytes(ptx: str, arch: str) -> int:
+    """Bytes of register spill stores ptxas reports for the PTX (spills would slow a kernel silently)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as file:
+            file.write(ptx)
+        report = subprocess.run([triton.knobs.nvidia.ptxas.path, f"-arch={arch}", "-v", path, "-o",
+                                 os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stdout + report.stderr))
+
+
+def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
+    """The index-th job (jobs hold kernels, which do not pickle: a worker rebuilds the list), for sm_90a if
+    it is a Gluon (Hopper) kernel, else for sm_80."""
     fn, constexprs, options, pointers, scalars = compile_jobs(all_configs)[index]
+    hopper = fn.is_gluon()
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in ("DOC_START", "DOC_END") and not constexprs.get("HAS_DOCS", True):
+            signature[name], constexprs = "constexpr", {**constexprs, name: None}   # as a launch with None
         elif _is_pointer(fn, name):
             signature[name] = pointers.get(name, "*bf16")
             attrs[(index,)] = [["tt.divisibility", 16]]   # as Triton specializes torch's aligned tensors
         else:
             signature[name] = scalars.get(name, "i32")
-    result = {"kernel": f"{fn.__module__}.{fn.__name__}",
-              "variant": {k: v for k, v in constexprs.items() if k.startswith(("BLOCK", "HAS_DOCS"))} | options}
+    result = {"kernel": f"{fn.__module__}.{fn.__name__}", "target": "sm_90a" if hopper else "sm_80",
+              "variant": {k: v for k, v in constexprs.items()
+                          if k.startswith(("BLOCK", "HAS_DOCS", "HEAD_DIM", "CAUSAL"))} | options}
     start = time.time()
+    source = (GluonASTSource if hopper else ASTSource)(fn, signature, constexprs, attrs)
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=A100, options=options)
+        compiled = triton.compile(source, target=H100 if hopper else A100, options=options)
     except Exception as error:   # reported per kernel: the test names the one that fails
         return result | {"error": f"{type(error).__name__}: {error}"[-3000:]}
     ptx = compiled.asm["ptx"]
     return result | {"seconds": round(time.time() - start, 1), "shared_bytes": compiled.metadata.shared,
                      "cubin_bytes": len(compiled.asm["cubin"]), "target_sm80": ".target sm_80" in ptx,
-                     "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx,
-                     "tma": "cp.async.bulk.tensor" in ptx or "tensormap" in ptx}
+                     "target_sm90a": ".target sm_90a" in ptx, "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx,
+                     "tma": "cp.async.bulk.tensor" in ptx or "tensormap" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                     **({"spill_bytes": _spill_bytes(ptx, "sm_90a")} if hopper else {})}
 
 
 def main() -> None:
@@ -129,7 +163,7 @@ def main() -> None:
     covered = {f"{fn.__module__}.{fn.__name__}" for fn, *_ in jobs}
     print(json.dumps({"uncovered_kernels": sorted(project_kernels() - covered)}), flush=True)
     with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        for result in pool.map(functools.partial(compile_for_a100, args.all_configs), range(len(jobs))):
+        for result in pool.map(functools.partial(compile_for_its_gpu, args.all_configs), range(len(jobs))):
             print(json.dumps(result), flush=True)
 
 

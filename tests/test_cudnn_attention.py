@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import attention_tape, cudnn_attention, reference
+from kernels import attention_tape, cudnn_attention, flash_attention, flash_attention_hopper, reference
 from kernels.attention_tape import AttentionTape
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cudnn_attention.available(torch.device("cuda"))),
@@ -45,6 +45,22 @@ def test_matches_the_fp32_reference(seqlen, q_heads, kv_heads, head_dim, causal)
     for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
         assert actual.shape == expected.shape and actual.dtype == torch.bfloat16, name
         assert _rel_err(actual, expected) < TOLERANCE, (name, _rel_err(actual, expected))
+
+
+def test_the_forward_is_the_gluon_kernel_and_its_statistics_are_cudnns():
+    """On Hopper the forward is kernels.flash_attention_hopper's (the gradients above use its statistics); its
+    log-sum-exp, turned to natural log, equals the statistics cuDNN's own forward returns."""
+    q, k, v = (t.detach() for t in _inputs(2048, 8, 2))
+    out = cudnn_attention.cudnn_attention(q, k, v)
+    flash_attention.ensure_allocator(q.device)
+    expected, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, True,
+                                                                  128 ** -0.5 * flash_attention.LOG2E)
+    assert torch.equal(out, expected)
+    heads_first = [t.transpose(1, 2) for t in (q, k, v)]
+    cudnn_stats = torch.ops.aten._scaled_dot_product_cudnn_attention(*heads_first, None, True, 0.0, True, False)[1]
+    _, ours = cudnn_attention._forward(q, k, v, True, 128 ** -0.5)
+    assert ours.shape == cudnn_stats.shape
+    assert torch.allclose(ours, cudnn_stats, rtol=0, atol=1e-4)
 
 
 def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():

@@ -322,20 +322,65 @@ def test_gpu_deterministic():
 
 @gpu
 def test_gpu_compiled_code_is_the_architectures():
-    """Hopper: TMA tile moves and wgmma products. Under TRITON_OVERRIDE_ARCH=sm80 (the process runs the code
-    an A100 compiles): neither, the descriptors rewritten into pointer loads and mma.sync products."""
+    """Hopper: TMA tile moves and wgmma products, the forward in the warp-specialized Gluon kernel (setmaxnreg
+    hands registers from its load warp to its row groups). Under TRITON_OVERRIDE_ARCH=sm80 (the process runs
+    the code an A100 compiles): the Triton forward, no TMA, no wgmma, mma.sync products."""
     import kernels.flash_attention as flash
+    from kernels import flash_attention_hopper
     q, k, v = _inputs(1, 1024, 8, 2, 128, torch.bfloat16, "cuda")
     torch.autograd.grad(flash_attention(q, k, v), (q, k, v), torch.randn_like(q))
     device = torch.cuda.current_device()
-    ptx = [compiled.asm["ptx"] for tuned in flash._TUNED.values()
-           for compiled in tuned.fn.device_caches[device][0].values()]
-    assert len(ptx) >= 3
+    compiled = lambda fn: [c.asm["ptx"] for c in fn.device_caches[device][0].values()]
+    ptx = [code for tuned in flash._TUNED.values() for code in compiled(tuned.fn)]
     a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
+    hopper_forward = compiled(flash_attention_hopper._attn_fwd_kernel)
+    if torch.cuda.get_device_capability()[0] == 9 and not a100:
+        assert len(ptx) >= 2 and len(hopper_forward) >= 1    # dq and dk/dv in Triton, the forward in Gluon
+        assert all("setmaxnreg" in code and "wgmma" in code for code in hopper_forward)
+    else:
+        assert len(ptx) >= 3 and not hopper_forward
     if torch.cuda.get_device_capability()[0] == 9 or a100:
-        for code in ptx:
+        for code in ptx + hopper_forward:
             assert ("mma.sync" in code) == a100 and ("wgmma" in code) != a100
             assert ("cp.async.bulk.tensor" in code) != a100
+
+
+@gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon forward is Hopper's")
+@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype,packed", [
+    (1, 1, 2, 1, 128, True, torch.bfloat16, False),
+    (1, 1000, 4, 2, 128, True, torch.bfloat16, False),      # a tail tile
+    (2, 777, 4, 1, 64, True, torch.bfloat16, False),
+    (1, 1500, 4, 2, 128, False, torch.bfloat16, False),
+    (1, 1500, 4, 2, 128, True, torch.float16, False),
+    (1, 8192, 32, 8, 128, True, torch.bfloat16, False),
+    (2, 2048, 4, 2, 128, True, torch.bfloat16, True),
+])
+def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim,
+                                                       causal, dtype, packed):
+    """The Gluon forward against the fp32 reference, no worse than the Triton forward it replaces, with the
+    same log-sum-exp (which both backwards read), over a poisoned output buffer."""
+    import kernels.flash_attention as flash
+    from kernels import flash_attention_hopper
+    torch.manual_seed(seqlen)
+    q, k, v = (t.detach() for t in _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, "cuda"))
+    cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(2)).cuda() if packed else None
+    ref = reference.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens=cu_seqlens)
+    folded = [flash._fold_batch(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"))] if packed else [q, k, v]
+    bounds = flash._document_bounds(cu_seqlens, batch * seqlen) if packed else (None, None)
+    flash.ensure_allocator(q.device)
+    scale = head_dim ** -0.5
+    # NaN in the blocks the caching allocator hands out next: the output's and the statistics' buffers
+    poison = [torch.full_like(folded[0], float("nan")), torch.full((batch, q_heads, seqlen), float("nan"), device="cuda")]
+    del poison
+    out, lse = flash_attention_hopper.attention_forward(*folded, *bounds, causal, scale * flash.LOG2E)
+    assert not torch.isnan(lse).any()
+    monkeypatch.setattr(flash_attention_hopper, "supports", lambda q: False)
+    triton_out, triton_lse = flash._attention_forward(*folded, *bounds, causal, scale)
+    ours, triton_err = _rel_err(out.view_as(ref), ref), _rel_err(triton_out.view_as(ref), ref)
+    print(f"out error: Gluon {ours:.2e}, Triton {triton_err:.2e}")
+    assert ours <= 1.05 * triton_err + 1e-6
+    assert torch.allclose(lse, triton_lse, rtol=0, atol=1e-4)
 
 
 @gpu

@@ -1,4 +1,5 @@
-"""Every Triton kernel of kernels/ compiles for the A100 (sm_80), proven on any machine, GPU or not.
+"""Every Triton kernel of kernels/ compiles for the A100 (sm_80), and the Gluon Hopper forward for sm_90a,
+proven on any machine, GPU or not.
 
 tests/sm80_compile.py compiles each kernel with triton.compile for GPUTarget("cuda", 80, 32) down to a cubin
 (Triton's wheel carries ptxas; no CUDA driver is needed). Checked: no kernel is left out, each compiles,
@@ -16,6 +17,7 @@ import pytest
 import triton
 
 A100_SHARED_MEMORY_PER_BLOCK = 166912   # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_80
+H100_SHARED_MEMORY_PER_BLOCK = 232448   # the same on sm_90
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -39,8 +41,15 @@ def test_every_kernel_compiles_for_the_a100():
     assert len(compiled) >= 9
     for kernel in compiled:
         name = kernel["kernel"]
-        assert "error" not in kernel, f"{name} does not compile for sm_80: {kernel.get('error')}"
+        assert "error" not in kernel, f"{name} does not compile for {kernel['target']}: {kernel.get('error')}"
+        if kernel["target"] == "sm_90a":
+            # warp-specialized (setmaxnreg), TMA and wgmma, no register spills, within an H100's shared memory
+            assert "flash_attention_hopper" in name and kernel["target_sm90a"], kernel
+            assert kernel["wgmma"] and kernel["tma"] and kernel["setmaxnreg"] and kernel["spill_bytes"] == 0, kernel
+            assert kernel["shared_bytes"] <= H100_SHARED_MEMORY_PER_BLOCK, kernel
+            continue
         assert kernel["target_sm80"] and not kernel["tma"] and not kernel["wgmma"], kernel
         assert kernel["shared_bytes"] <= A100_SHARED_MEMORY_PER_BLOCK, kernel
         if "flash_attention" in name and "delta" not in name:
             assert kernel["mma_sync"], kernel
+    assert {kernel["target"] for kernel in compiled} == {"sm_80", "sm_90a"}

@@ -1,0 +1,313 @@
+"""Flash attention forward for Hopper (sm_90) in Gluon, warp-specialized as FlashAttention-3 is.
+
+The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
+read through their strides, optional per-token document bounds (packed documents folded into one row),
+causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
+fp32) that the Triton backward, cuDNN's backward (kernels.cudnn_attention) and the attention tape take.
+Only the forward is here.
+
+Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
+warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
+(451-514 TFLOP/s against cuDNN's 529-621, docs/BENCHMARKS.md). Here a CTA takes 128 query rows with three
+partitions (`gl.warp_specialize`):
+- a load warp (24 registers) moves Q once and then each key tile's K and V by TMA into a two-stage ring,
+  refilling a stage when both row groups have signalled (mbarriers) that they are done with it;
+- two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
+  O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
+  are not in lockstep, so one group's softmax also overlaps the other's products.
+
+Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
+the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)
+BLOCK_N = 128                          # keys per tile
+NUM_STAGES = 2                         # K and V tiles in flight: Q (32 KiB) + 2 x (K + V) (128 KiB) at D=128
+# Registers per thread: 168 for the CTA's 12 warps (3 warp groups, the load warp's group rounded up) fill
+# the register file; setmaxnreg moves them from the load warp to the row groups.
+MAX_REGISTERS = 168
+ROWS_REGISTERS = gl.constexpr(240)
+LOAD_REGISTERS = gl.constexpr(24)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@gluon.jit
+def _tile_bounds(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """The key tiles of the query block [m_start, m_start + BLOCK_M): they start at `lo`; the first
+    `head` and those from `head + mid` on are seen in part (masked), `mid` in between are seen whole."""
+    last = gl.minimum(m_start + BLOCK_M, seqlen) - 1
+    if HAS_DOCS:
+        lo = gl.load(DOC_START + m_start)
+        full_lo = gl.load(DOC_START + last)
+        full_hi = gl.load(DOC_END + m_start)
+        hi = gl.load(DOC_END + last)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = seqlen
+        hi = seqlen
+    if CAUSAL:
+        full_hi = gl.minimum(full_hi, m_start + 1)
+        hi = gl.minimum(hi, last + 1)
+    head = gl.cdiv(gl.maximum(full_lo - lo, 0), BLOCK_N)
+    mid = gl.maximum(full_hi - (lo + head * BLOCK_N), 0) // BLOCK_N
+    tail_start = lo + (head + mid) * BLOCK_N
+    total = head + mid + gl.cdiv(gl.maximum(hi - tail_start, 0), BLOCK_N)
+    return lo, head, mid, total
+
+
+@gluon.jit
+def _load_tile(desc, start, bar, dest, pred):
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [start, 0], bar, dest, pred=pred)
+
+
+@gluon.jit
+def _masked_scores(scores, start, offs_m, row_doc_lo, row_doc_hi, seqlen, s_layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """-inf where a query row does not see the key (past the sequence, in its future, another document)."""
+    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keys = offs_n[None, :]
+    visible = (offs_m[:, None] < seqlen) & (keys < seqlen)
+    if CAUSAL:
+        visible = visible & (keys <= offs_m[:, None])
+    if HAS_DOCS:
+        visible = visible & (keys >= row_doc_lo[:, None]) & (keys < row_doc_hi[:, None])
+    return gl.where(visible, scores, float("-inf"))
+
+
+@gluon.jit
+def _softmax_tile(scores, m_i, l_i, qk_scale_log2, MASKED: gl.constexpr):
+    """One online-softmax step in log2 units: the tile's probabilities (unnormalized), the rescale
+    factor of what came before, and the new running max and sum."""
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale_log2)
+    if MASKED:
+        # A row with nothing visible yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = gl.exp2(scores * qk_scale_log2 - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _is_masked(tile, head_tiles, mid_end):
+    return (tile < head_tiles) | (tile >= mid_end)
+
+
+@gluon.jit
+def _softmax_any(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_hi, seqlen, qk_scale_log2,
+                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    if masked:
+        scores = _masked_scores(scores, start, offs_m, row_doc_lo, row_doc_hi, seqlen, s_layout, BLOCK_N,
+                                CAUSAL, HAS_DOCS)
+        p, alpha, m_new, l_new = _softmax_tile(scores, m_i, l_i, qk_scale_log2, True)
+    else:
+        p, alpha, m_new, l_new = _softmax_tile(scores, m_i, l_i, qk_scale_log2, False)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """A [seqlen, HEAD_DIM] view of one head of one batch row, moved BLOCK tokens at a time by TMA."""
+    return tma.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+                                      block_shape=[BLOCK, HEAD_DIM], layout=layout)
+
+
+
+@gluon.jit
+def _load_partition(smem, bars, descs, tiles):
+    """One warp: Q once, then each key tile's K and V into the ring as soon as both row groups freed it."""
+    q_smem, k_smem, v_smem = smem
+    q_bar, k_ready, k_free, v_ready, v_free = bars
+    q_desc, k_desc, v_desc, o_desc = descs
+    m_start, lo, head_tiles, mid_end, n_tiles = tiles
+    NUM_STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    _load_tile(q_desc, m_start, q_bar, q_smem, True)
+    for tile in range(n_tiles):
+        stage = tile % NUM_STAGES
+        free_phase = ((tile // NUM_STAGES) & 1) ^ 1     # a new mbarrier counts as having completed phase 1
+        start = lo + tile * BLOCK_N
+        mbarrier.wait(k_free.index(stage), free_phase)
+        _load_tile(k_desc, start, k_ready.index(stage), k_smem.index(stage), True)
+        mbarrier.wait(v_free.index(stage), free_phase)
+        _load_tile(v_desc, start, v_ready.index(stage), v_smem.index(stage), True)
+
+
+@gluon.jit
+def _rows_partition(smem, bars, descs, tiles, LSE_ROWS, DOC_START, DOC_END, seqlen, qk_scale_log2,
+                    GROUP_INDEX: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """One warp group: the block's rows [GROUP_INDEX * 64, +64) over every key tile, then their output
+    (through their own Q tile and TMA) and log-sum-exp."""
+    q_smem, k_smem, v_smem = smem
+    q_bar, k_ready, k_free, v_ready, v_free = bars
+    q_desc, k_desc, v_desc, o_desc = descs
+    m_start, lo, head_tiles, mid_end, n_tiles = tiles
+    NUM_STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    ROWS: gl.constexpr = o_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_rows = q_smem.slice(GROUP_INDEX * ROWS, ROWS)
+    row0 = m_start + GROUP_INDEX * ROWS
+    offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
+    row_ok = offs_m < seqlen
+    row_doc_lo = offs_m
+    row_doc_hi = offs_m
+    if HAS_DOCS:
+        row_doc_lo = gl.load(DOC_START + offs_m, mask=row_ok, other=0)
+        row_doc_hi = gl.load(DOC_END + offs_m, mask=row_ok, other=0)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    # Tile 0: its scores and probabilities alone.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(0, deps=(scores, ))
+    mbarrier.arrive(k_free.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_any(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
+                                      row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N, CAUSAL,
+                                      HAS_DOCS)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for tile in range(1, n_tiles):
+        stage = tile % NUM_STAGES
+        prev = (tile - 1) % NUM_STAGES
+        start = lo + tile * BLOCK_N
+        # S(tile) and then O += P(tile-1) V(tile-1): wgmma groups complete in order, so waiting until one
+        # is left outstanding waits for the scores only, and the softmax below overlaps the P.V product.
+        mbarrier.wait(k_ready.index(stage), (tile // NUM_STAGES) & 1)
+        scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((tile - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        scores = warpgroup_mma_wait(1, deps=(scores, ))
+        mbarrier.arrive(k_free.index(stage), count=1)
+        p, alpha, m_i, l_i = _softmax_any(scores, start, _is_masked(tile, head_tiles, mid_end), m_i, l_i, offs_m,
+                                          row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N,
+                                          CAUSAL, HAS_DOCS)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_free.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = (n_tiles - 1) % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    # Every valid row sees at least itself, so l_i > 0 there; TMA does not store rows past the end.
+    l_i = gl.where(row_ok, l_i, 1.0)
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    q_rows.store(out.to(dtype))     # these Q rows are read by no one any more: they carry the output
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_rows)
+    gl.store(LSE_ROWS + offs_m, m_i + gl.log2(l_i), mask=row_ok)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
+                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                     seqlen, qk_scale_log2,
+                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * GROUP_ROWS
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    # Causal blocks late in the sequence do the most work: launch them first.
+    m_start = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    head = gl.program_id(1)
+    batch = gl.program_id(2).to(gl.int64)
+    kv_head = head // GROUP
+    q_desc = _head_view(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM, q_layout)
+    k_desc = _head_view(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM,
+                        kv_layout)
+    v_desc = _head_view(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM,
+                        kv_layout)
+    o_desc = _head_view(O + batch * stride_ob + head * stride_oh, seqlen, stride_os, GROUP_ROWS, HEAD_DIM,
+                        q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=2)    # one arrival from each row group
+        mbarrier.init(v_free.index(i), count=2)
+
+    lo, head_tiles, mid_tiles, n_tiles = _tile_bounds(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
+                                                      CAUSAL, HAS_DOCS)
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_bar, k_ready, k_free, v_ready, v_free)
+    descs = (q_desc, k_desc, v_desc, o_desc)
+    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
+    lse_rows = LSE + (batch * gl.num_programs(1) + head) * seqlen
+    gl.warp_specialize([
+        (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
+                           CAUSAL, HAS_DOCS)),
+        (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 1,
+                           CAUSAL, HAS_DOCS)),
+        (_load_partition, (smem, bars, descs, tiles)),
+    ], [4, 1], [ROWS_REGISTERS, LOAD_REGISTERS])
+
+
+def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: float):
+    """(out, lse) as kernels.flash_attention._attention_forward, for inputs `supports` accepts; lse in
+    base 2. Descriptors are built on the device: the caller has set Triton's allocator."""
+    batch, seqlen, q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
+    _attn_fwd_kernel[(triton.cdiv(seqlen, 2 * GROUP_ROWS.value), q_heads, batch)](
+        q, k, v, out, lse, doc_start, doc_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], seqlen, qk_scale_log2,
+        GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
+        HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
+    return out, lse
+
+
+def _runs_hopper_code(device: torch.device) -> bool:
+    """A Hopper GPU whose kernels Triton compiles for Hopper: TRITON_OVERRIDE_ARCH=sm80 (the A100's code on
+    this GPU, kernels.flash_attention) leaves the forward to the Triton kernel, as on an A100."""
+    override = os.environ.get("TRITON_OVERRIDE_ARCH", "")
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and override in ("", "sm90", "sm90a"))
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether this kernel runs q's dtype and head dim on q's device (Hopper, 16-bit, D of 64 or 128)."""
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES and _runs_hopper_code(q.device)
+
+
