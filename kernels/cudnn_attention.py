@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels import attention_tape, flash_attention, flash_attention_hopper
+from kernels import attention_tape
 
 LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -108,6 +108,9 @@ class CudnnAttentionFunction(torch.autograd.Function):
 
 def _forward(q, k, v, causal: bool, scale: float):
     """(out [B, S, H, D], cuDNN's softmax statistics [B, H, S, 1]) for cuDNN's backward."""
+    # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
+    # the process, which importing the dispatch (and so this module) must leave to the caller.
+    from kernels import flash_attention, flash_attention_hopper
     if flash_attention_hopper.supports(q) and all(flash_attention.tma_compatible(t) for t in (q, k, v)):
         flash_attention.ensure_allocator(q.device)
         out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,

@@ -30,6 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from conf.schema.job import triton_interpreting
+
 GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)
 BLOCK_N = 128                          # keys per tile
 NUM_STAGES = 2                         # K and V tiles in flight: Q (32 KiB) + 2 x (K + V) (128 KiB) at D=128
@@ -299,11 +301,12 @@ def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: 
 
 
 def _runs_hopper_code(device: torch.device) -> bool:
-    """A Hopper GPU whose kernels Triton compiles for Hopper: TRITON_OVERRIDE_ARCH=sm80 (the A100's code on
-    this GPU, kernels.flash_attention) leaves the forward to the Triton kernel, as on an A100."""
+    """A Hopper GPU whose kernels Triton compiles for Hopper. TRITON_OVERRIDE_ARCH=sm80 (the A100's code on
+    this GPU, kernels.flash_attention) leaves the forward to the Triton kernel, as on an A100, and so does
+    Triton's interpreter (TRITON_INTERPRET=1), which cannot run Gluon kernels."""
     override = os.environ.get("TRITON_OVERRIDE_ARCH", "")
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-            and override in ("", "sm90", "sm90a"))
+    return (device.type == "cuda" and not triton_interpreting()
+            and torch.cuda.get_device_capability(device)[0] == 9 and override in ("", "sm90", "sm90a"))
 
 
 def supports(q: torch.Tensor) -> bool:

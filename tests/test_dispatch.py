@@ -1,5 +1,8 @@
 """Op dispatch: reference on CPU, Triton on request, and a clear error when Triton cannot run."""
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -102,3 +105,16 @@ def test_a_cudnn_plan_still_runs_the_reference_on_cpu_tensors_and_rejects_unknow
     torch.testing.assert_close(kernels.attention(q, k, v), kernels.reference.attention(q, k, v))
     with pytest.raises(ValueError, match="attention_kernel='sdpa' is not one of"):
         kernels.set_backend("auto", "sdpa")
+
+
+def test_importing_the_model_and_the_dispatch_leaves_triton_unimported():
+    """Triton chooses interpreter or compiler when it is first imported, and a kernel module's `triton.jit`
+    when it is imported: test modules (and tools) import the model and the dispatch first and set
+    TRITON_INTERPRET after, so neither may import Triton (the cuDNN path imports the Gluon forward lazily)."""
+    code = ("import sys, kernels, kernels.dispatch, kernels.cudnn_attention, model, offload, trainer; "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
