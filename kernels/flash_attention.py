@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_tape, flash_attention_hopper, tuning_cache
+from kernels._attention_tiles import partner_range, tile_runs
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
@@ -46,45 +47,6 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _partner_range(DOC_START, DOC_END, start, seqlen, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_DOCS: tl.constexpr, KEYS: tl.constexpr):
-    """The partners of the block of tokens [start, start + BLOCK): its queries' keys (KEYS) or its keys'
-    queries. All lie in [lo, hi); every token of the block pairs with all of [full_lo, full_hi)."""
-    last = tl.minimum(start + BLOCK, seqlen) - 1
-    if HAS_DOCS:
-        # Document bounds are non-decreasing along the tokens: the first and last rows bound the block.
-        lo = tl.load(DOC_START + start)
-        full_lo = tl.load(DOC_START + last)
-        full_hi = tl.load(DOC_END + start)
-        hi = tl.load(DOC_END + last)
-    else:
-        lo = 0
-        full_lo = 0
-        full_hi = seqlen
-        hi = seqlen
-    if CAUSAL:
-        if KEYS:  # a query sees the keys up to itself
-            full_hi = tl.minimum(full_hi, start + 1)
-            hi = tl.minimum(hi, last + 1)
-        else:     # a key is seen by the queries from itself on
-            lo = tl.maximum(lo, start)
-            full_lo = tl.maximum(full_lo, last)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
-    """Split tiles of BLOCK starting at lo into a masked head run, an unmasked run inside
-    [full_lo, full_hi) and a masked tail run up to hi; returns the three tile counts."""
-    head = tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK)
-    mid_start = lo + head * BLOCK
-    mid = tl.maximum(full_hi - mid_start, 0) // BLOCK
-    tail_start = mid_start + mid * BLOCK
-    tail = tl.cdiv(tl.maximum(hi - tail_start, 0), BLOCK)
-    return head, mid, tail
-
 
 @triton.jit
 def _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS: tl.constexpr):
@@ -165,9 +127,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
     row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
-    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
-                                              KEYS=True)
-    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+    lo, full_lo, full_hi, hi = partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                             KEYS=True)
+    head_tiles, mid_tiles, tail_tiles = tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
 
     q = q_desc.load([m_start, 0])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -254,9 +216,9 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
     delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
     q = q_desc.load([m_start, 0])
     do = do_desc.load([m_start, 0])
-    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
-                                              KEYS=True)
-    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+    lo, full_lo, full_hi, hi = partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                             KEYS=True)
+    head_tiles, mid_tiles, tail_tiles = tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_start = lo
@@ -318,9 +280,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
     else:
         key_doc_lo = offs_n
         key_doc_hi = offs_n
-    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
-                                              KEYS=False)
-    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
+    lo, full_lo, full_hi, hi = partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
+                                             KEYS=False)
+    head_tiles, mid_tiles, tail_tiles = tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
     k = k_desc.load([n_start, 0])
     v = v_desc.load([n_start, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)

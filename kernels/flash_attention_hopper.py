@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from conf.schema.job import triton_interpreting
+from kernels import _attention_tiles
 
 GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)
 BLOCK_N = 128                          # keys per tile
@@ -44,30 +45,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@gluon.jit
-def _tile_bounds(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
-    """The key tiles of the query block [m_start, m_start + BLOCK_M): they start at `lo`; the first
-    `head` and those from `head + mid` on are seen in part (masked), `mid` in between are seen whole."""
-    last = gl.minimum(m_start + BLOCK_M, seqlen) - 1
-    if HAS_DOCS:
-        lo = gl.load(DOC_START + m_start)
-        full_lo = gl.load(DOC_START + last)
-        full_hi = gl.load(DOC_END + m_start)
-        hi = gl.load(DOC_END + last)
-    else:
-        lo = 0
-        full_lo = 0
-        full_hi = seqlen
-        hi = seqlen
-    if CAUSAL:
-        full_hi = gl.minimum(full_hi, m_start + 1)
-        hi = gl.minimum(hi, last + 1)
-    head = gl.cdiv(gl.maximum(full_lo - lo, 0), BLOCK_N)
-    mid = gl.maximum(full_hi - (lo + head * BLOCK_N), 0) // BLOCK_N
-    tail_start = lo + (head + mid) * BLOCK_N
-    total = head + mid + gl.cdiv(gl.maximum(hi - tail_start, 0), BLOCK_N)
-    return lo, head, mid, total
+# The Triton kernels' tile arithmetic, compiled as Gluon.
+_partner_range = gluon.jit(_attention_tiles.partner_range.fn)
+_tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
 
 
 @gluon.jit
@@ -270,12 +250,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
         mbarrier.init(k_free.index(i), count=2)    # one arrival from each row group
         mbarrier.init(v_free.index(i), count=2)
 
-    lo, head_tiles, mid_tiles, n_tiles = _tile_bounds(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
-                                                      CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                              KEYS=True)
+    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, k_free, v_ready, v_free)
     descs = (q_desc, k_desc, v_desc, o_desc)
-    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
+    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, head_tiles + mid_tiles + tail_tiles)
     lse_rows = LSE + (batch * gl.num_programs(1) + head) * seqlen
     gl.warp_specialize([
         (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
