@@ -112,12 +112,10 @@ def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constex
 
 
 @gluon.jit
-def _load_partition(smem, bars, descs, tiles):
+def _load_partition(smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles):
     """One warp: Q once, then each key tile's K and V into the ring as soon as both row groups freed it."""
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, k_free, v_ready, v_free = bars
-    q_desc, k_desc, v_desc, o_desc = descs
-    m_start, lo, head_tiles, mid_end, n_tiles = tiles
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     _load_tile(q_desc, m_start, q_bar, q_smem, True)
@@ -256,14 +254,15 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, k_free, v_ready, v_free)
     descs = (q_desc, k_desc, v_desc, o_desc)
-    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, head_tiles + mid_tiles + tail_tiles)
+    n_tiles = head_tiles + mid_tiles + tail_tiles
+    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
     lse_rows = LSE + (batch * gl.num_programs(1) + head) * seqlen
     gl.warp_specialize([
         (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
                            CAUSAL, HAS_DOCS)),
         (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 1,
                            CAUSAL, HAS_DOCS)),
-        (_load_partition, (smem, bars, descs, tiles)),
+        (_load_partition, (smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles)),
     ], [4, 1], [ROWS_REGISTERS, LOAD_REGISTERS])
 
 
