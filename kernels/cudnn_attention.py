@@ -1,10 +1,12 @@
 """Attention with cuDNN's fused backward (PyTorch's aten ops), on Hopper GPUs.
 
 Measured on the H100 (docs/BENCHMARKS.md), cuDNN's backward is faster than kernels.flash_attention's
-(forward+backward 530-566 TFLOP/s against 393-430), so `kernels=auto` uses it there for rows without packed
-documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
-(kernels/flash_attention_hopper.py, faster than cuDNN's own) wherever it runs, with its log-sum-exp turned
-into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward otherwise. Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
+two-kernel one (after the same Gluon forward, forward+backward 551-564 TFLOP/s against 439-455 from 32k to
+131k tokens), so `kernels=auto` uses it there
+for rows without packed documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
+(kernels/flash_attention_hopper.py: ahead of cuDNN's own from 32k tokens up, even with it at 8k) wherever
+it runs, with its log-sum-exp turned into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward
+otherwise. Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
 [B, S, Hkv, D], GQA without repeating K/V) and the same attention-tape protocol as flash_attention: the
 forward records (out, lse); under a replaying tape the recomputation returns the recorded output and runs
 no forward kernel.
@@ -19,12 +21,14 @@ final, and at 524k tokens the 16 GiB workspace of one call becomes 4 GiB per gro
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from kernels import attention_tape
 
-LN2 = 0.6931471805599453
+LN2 = math.log(2)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Measured peak memory of the aten backward beyond its inputs and dq/dk/dv, per query element (token x
@@ -111,6 +115,7 @@ def _forward(q, k, v, causal: bool, scale: float):
     # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
     # the process, which importing the dispatch (and so this module) must leave to the caller.
     from kernels import flash_attention, flash_attention_hopper
+    flash_attention.check_shapes(q, k, v)
     if flash_attention_hopper.supports(q) and all(flash_attention.tma_compatible(t) for t in (q, k, v)):
         flash_attention.ensure_allocator(q.device)
         out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,

@@ -19,8 +19,8 @@ per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which 
 past the end of the sequence.
 
 On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon, warp-specialized:
-faster than this Triton forward and than cuDNN's, docs/BENCHMARKS.md); fp32 inputs and other GPUs run the one
-here, which remains the contract that kernel's tests hold it to.
+faster than this Triton forward, and than cuDNN's from 32k tokens up, docs/BENCHMARKS.md); fp32 inputs, other
+GPUs and Triton's interpreter run the one here, which that kernel's tests hold it to.
 
 Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
 rewrite-tensor-descriptor-to-pointer pass turns each descriptor load/store into masked pointer loads/stores,
@@ -413,7 +413,9 @@ def tma_compatible(t: torch.Tensor) -> bool:
             and all(s * t.element_size() % 16 == 0 and s > 0 for s in t.stride()[:3]))
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shapes, dtypes and devices the attention kernels take (kernels.cudnn_attention checks these too before
+    running the Gluon forward), with an error naming what does not fit."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -426,6 +428,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_shapes(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(t.stride())}")

@@ -8,7 +8,7 @@ Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(451-514 TFLOP/s against cuDNN's 529-621, docs/BENCHMARKS.md). Here a CTA takes 128 query rows with three
+(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md). Here a CTA takes 128 query rows with three
 partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves Q once and then each key tile's K and V by TMA into a two-stage ring,
   refilling a stage when both row groups have signalled (mbarriers) that they are done with it;
@@ -51,9 +51,9 @@ _tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
 
 
 @gluon.jit
-def _load_tile(desc, start, bar, dest, pred):
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [start, 0], bar, dest, pred=pred)
+def _load_tile(desc, start, bar, dest):
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [start, 0], bar, dest)
 
 
 @gluon.jit
@@ -71,7 +71,7 @@ def _masked_scores(scores, start, offs_m, row_doc_lo, row_doc_hi, seqlen, s_layo
 
 
 @gluon.jit
-def _softmax_tile(scores, m_i, l_i, qk_scale_log2, MASKED: gl.constexpr):
+def _online_softmax(scores, m_i, l_i, qk_scale_log2, MASKED: gl.constexpr):
     """One online-softmax step in log2 units: the tile's probabilities (unnormalized), the rescale
     factor of what came before, and the new running max and sum."""
     m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale_log2)
@@ -92,14 +92,16 @@ def _is_masked(tile, head_tiles, mid_end):
 
 
 @gluon.jit
-def _softmax_any(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_hi, seqlen, qk_scale_log2,
-                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+def _softmax_step(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_hi, seqlen, qk_scale_log2,
+                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """_online_softmax of the key tile from `start`, its scores masked first if the tile is one the block
+    sees in part (`masked`, known only at run time)."""
     if masked:
         scores = _masked_scores(scores, start, offs_m, row_doc_lo, row_doc_hi, seqlen, s_layout, BLOCK_N,
                                 CAUSAL, HAS_DOCS)
-        p, alpha, m_new, l_new = _softmax_tile(scores, m_i, l_i, qk_scale_log2, True)
+        p, alpha, m_new, l_new = _online_softmax(scores, m_i, l_i, qk_scale_log2, True)
     else:
-        p, alpha, m_new, l_new = _softmax_tile(scores, m_i, l_i, qk_scale_log2, False)
+        p, alpha, m_new, l_new = _online_softmax(scores, m_i, l_i, qk_scale_log2, False)
     return p, alpha, m_new, l_new
 
 
@@ -110,7 +112,6 @@ def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constex
                                       block_shape=[BLOCK, HEAD_DIM], layout=layout)
 
 
-
 @gluon.jit
 def _load_partition(smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles):
     """One warp: Q once, then each key tile's K and V into the ring as soon as both row groups freed it."""
@@ -118,25 +119,24 @@ def _load_partition(smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles):
     q_bar, k_ready, k_free, v_ready, v_free = bars
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    _load_tile(q_desc, m_start, q_bar, q_smem, True)
+    _load_tile(q_desc, m_start, q_bar, q_smem)
     for tile in range(n_tiles):
         stage = tile % NUM_STAGES
         free_phase = ((tile // NUM_STAGES) & 1) ^ 1     # a new mbarrier counts as having completed phase 1
         start = lo + tile * BLOCK_N
         mbarrier.wait(k_free.index(stage), free_phase)
-        _load_tile(k_desc, start, k_ready.index(stage), k_smem.index(stage), True)
+        _load_tile(k_desc, start, k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_free.index(stage), free_phase)
-        _load_tile(v_desc, start, v_ready.index(stage), v_smem.index(stage), True)
+        _load_tile(v_desc, start, v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _rows_partition(smem, bars, descs, tiles, LSE_ROWS, DOC_START, DOC_END, seqlen, qk_scale_log2,
+def _rows_partition(smem, bars, o_desc, tiles, LSE_ROWS, DOC_START, DOC_END, seqlen, qk_scale_log2,
                     GROUP_INDEX: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     """One warp group: the block's rows [GROUP_INDEX * 64, +64) over every key tile, then their output
     (through their own Q tile and TMA) and log-sum-exp."""
     q_smem, k_smem, v_smem = smem
     q_bar, k_ready, k_free, v_ready, v_free = bars
-    q_desc, k_desc, v_desc, o_desc = descs
     m_start, lo, head_tiles, mid_end, n_tiles = tiles
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -171,7 +171,7 @@ def _rows_partition(smem, bars, descs, tiles, LSE_ROWS, DOC_START, DOC_END, seql
     scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(0, deps=(scores, ))
     mbarrier.arrive(k_free.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_any(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
+    p, alpha, m_i, l_i = _softmax_step(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
                                       row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N, CAUSAL,
                                       HAS_DOCS)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -188,7 +188,7 @@ def _rows_partition(smem, bars, descs, tiles, LSE_ROWS, DOC_START, DOC_END, seql
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         scores = warpgroup_mma_wait(1, deps=(scores, ))
         mbarrier.arrive(k_free.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_any(scores, start, _is_masked(tile, head_tiles, mid_end), m_i, l_i, offs_m,
+        p, alpha, m_i, l_i = _softmax_step(scores, start, _is_masked(tile, head_tiles, mid_end), m_i, l_i, offs_m,
                                           row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N,
                                           CAUSAL, HAS_DOCS)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -253,14 +253,15 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_ready, k_free, v_ready, v_free)
-    descs = (q_desc, k_desc, v_desc, o_desc)
+    # At least one tile: every query row sees a key (itself when causal; its non-empty document). With none
+    # the row groups would wait for tile 0 forever.
     n_tiles = head_tiles + mid_tiles + tail_tiles
     tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
     lse_rows = LSE + (batch * gl.num_programs(1) + head) * seqlen
     gl.warp_specialize([
-        (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
+        (_rows_partition, (smem, bars, o_desc, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
                            CAUSAL, HAS_DOCS)),
-        (_rows_partition, (smem, bars, descs, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 1,
+        (_rows_partition, (smem, bars, o_desc, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 1,
                            CAUSAL, HAS_DOCS)),
         (_load_partition, (smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles)),
     ], [4, 1], [ROWS_REGISTERS, LOAD_REGISTERS])

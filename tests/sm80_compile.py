@@ -59,8 +59,8 @@ def _attention(fn, configs, all_configs: bool):
 
 
 def _hopper_forward(all_configs: bool):
-    """The Gluon forward at D=128 with and without documents, and with --all-configs at D=64 and not causal."""
-    shapes = [(128, True, False), (128, True, True)] + ([(64, True, False), (128, False, True)] if all_configs else [])
+    """The Gluon forward at D=128 with and without documents and at D=64, and with --all-configs not causal."""
+    shapes = [(128, True, False), (128, True, True), (64, True, False)] + ([(128, False, True)] if all_configs else [])
     launch = dict(num_warps=4, maxnreg=fa_hopper.MAX_REGISTERS)
     return [(fa_hopper._attn_fwd_kernel, {"GROUP": 4, "HEAD_DIM": head_dim, "CAUSAL": causal, "HAS_DOCS": docs,
                                           "BLOCK_N": fa_hopper.BLOCK_N, "NUM_STAGES": fa_hopper.NUM_STAGES},

@@ -327,10 +327,14 @@ def test_gpu_compiled_code_is_the_architectures():
     the code an A100 compiles): the Triton forward, no TMA, no wgmma, mma.sync products."""
     import kernels.flash_attention as flash
     from kernels import flash_attention_hopper
+    device = torch.cuda.current_device()
+
+    def compiled(fn):
+        return [kernel.asm["ptx"] for kernel in fn.device_caches[device][0].values()]
+    # What the Gluon forward holds after the call below was compiled for it: earlier tests may have filled it.
+    flash_attention_hopper._attn_fwd_kernel.device_caches[device][0].clear()
     q, k, v = _inputs(1, 1024, 8, 2, 128, torch.bfloat16, "cuda")
     torch.autograd.grad(flash_attention(q, k, v), (q, k, v), torch.randn_like(q))
-    device = torch.cuda.current_device()
-    compiled = lambda fn: [c.asm["ptx"] for c in fn.device_caches[device][0].values()]
     ptx = [code for tuned in flash._TUNED.values() for code in compiled(tuned.fn)]
     a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
     hopper_forward = compiled(flash_attention_hopper._attn_fwd_kernel)
@@ -347,6 +351,7 @@ def test_gpu_compiled_code_is_the_architectures():
 
 @gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon forward is Hopper's")
+@pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
 @pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype,packed", [
     (1, 1, 2, 1, 128, True, torch.bfloat16, False),
     (1, 1000, 4, 2, 128, True, torch.bfloat16, False),      # a tail tile
@@ -371,7 +376,8 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
     flash.ensure_allocator(q.device)
     scale = head_dim ** -0.5
     # NaN in the blocks the caching allocator hands out next: the output's and the statistics' buffers
-    poison = [torch.full_like(folded[0], float("nan")), torch.full((batch, q_heads, seqlen), float("nan"), device="cuda")]
+    poison = [torch.full_like(folded[0], float("nan")),
+              torch.full((batch, q_heads, seqlen), float("nan"), device="cuda")]
     del poison
     out, lse = flash_attention_hopper.attention_forward(*folded, *bounds, causal, scale * flash.LOG2E)
     assert not torch.isnan(lse).any()
