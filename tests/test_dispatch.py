@@ -122,10 +122,11 @@ def test_importing_the_model_and_the_dispatch_leaves_triton_unimported():
 
 @pytest.mark.parametrize("kv_heads, v_dtype, message", [(3, torch.bfloat16, "multiple of key/value heads"),
                                                        (2, torch.float16, "share one dtype")])
-def test_the_cudnn_path_checks_shapes_before_any_kernel(kv_heads, v_dtype, message):
-    """Its forward (the Gluon kernel on Hopper) reads K/V heads as q_heads // kv_heads: inputs it cannot take
-    are refused with the flash attention's message, before anything runs (so on any device)."""
-    from kernels import cudnn_attention
+def test_the_cudnn_path_checks_shapes_before_any_kernel(monkeypatch, kv_heads, v_dtype, message):
+    """Where its forward is the Gluon kernel (Hopper; said so here on any device), which reads K/V heads as
+    q_heads // kv_heads, inputs it cannot take are refused with the flash attention's message before it runs."""
+    from kernels import cudnn_attention, flash_attention_hopper
+    monkeypatch.setattr(flash_attention_hopper, "supports", lambda q: True)
     q = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)
     k = torch.zeros(1, 8, kv_heads, 64, dtype=torch.bfloat16)
     with pytest.raises((ValueError, TypeError), match=message):
