@@ -1,6 +1,7 @@
-"""Which key (or query) tiles a block of tokens pairs with in causal / packed-document attention, split in
-masked and unmasked runs: shared by the Triton kernels (kernels/flash_attention.py) and, recompiled as
-Gluon, by the Hopper forward (kernels/flash_attention_hopper.py)."""
+"""The tile-level arithmetic of causal / packed-document flash attention: which key (or query) tiles a block
+of tokens pairs with, split in masked and unmasked runs; which pairs of a tile attend; one online-softmax
+step. Shared by the Triton kernels (kernels/flash_attention.py) and, recompiled as Gluon, by the Hopper
+forward (kernels/flash_attention_hopper.py)."""
 import triton
 import triton.language as tl
 
@@ -42,3 +43,31 @@ def tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     tail_start = mid_start + mid * BLOCK
     tail = tl.cdiv(tl.maximum(hi - tail_start, 0), BLOCK)
     return head, mid, tail
+
+
+@triton.jit
+def visible_pairs(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Mask of query/key pairs that attend: `other` (the key, or the query) must lie in the document
+    [doc_lo, doc_hi) of the opposite side, both inside the sequence, and key <= query when causal."""
+    visible = (query < seqlen) & (key < seqlen)
+    if CAUSAL:
+        visible = visible & (key <= query)
+    if HAS_DOCS:
+        visible = visible & (other >= doc_lo) & (other < doc_hi)
+    return visible
+
+
+@triton.jit
+def online_softmax(scores, m_i, l_i, qk_scale_log2, MASKED: tl.constexpr):
+    """One online-softmax step in log2 units over a tile of scores: its probabilities (unnormalized), the
+    rescale factor of what came before, and the new running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
+    if MASKED:
+        # A row with nothing visible yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(scores * qk_scale_log2 - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_tape, flash_attention_hopper, tuning_cache
-from kernels._attention_tiles import partner_range, tile_runs
+from kernels._attention_tiles import online_softmax, partner_range, tile_runs, visible_pairs
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
@@ -50,25 +50,13 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS: tl.constexpr):
-    """Each query row's document bounds [start, end); without documents, placeholders _visible ignores."""
+    """Each query row's document bounds [start, end); without documents, placeholders visible_pairs ignores."""
     doc_lo = offs_m
     doc_hi = offs_m
     if HAS_DOCS:
         doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
         doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
     return doc_lo, doc_hi
-
-
-@triton.jit
-def _visible(query, key, doc_lo, doc_hi, other, seqlen, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """Mask of query/key pairs that attend: `other` (the key, or the query) must lie in the document
-    [doc_lo, doc_hi) of the opposite side, both inside the sequence, and key <= query when causal."""
-    visible = (query < seqlen) & (key < seqlen)
-    if CAUSAL:
-        visible = visible & (key <= query)
-    if HAS_DOCS:
-        visible = visible & (other >= doc_lo) & (other < doc_hi)
-    return visible
 
 
 @triton.jit
@@ -89,18 +77,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, n_start, n_tiles, offs_m, row_d
         scores = tl.dot(q, tl.trans(k))
         if MASKED:
             offs_n = start + tl.arange(0, BLOCK_N)
-            visible = _visible(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
-                               offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
+            visible = visible_pairs(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
+                                    offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
             scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
-            # A row with nothing visible yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale_log2)
-            m_sub = m_new
-        p = tl.math.exp2(scores * qk_scale_log2 - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i, qk_scale_log2, MASKED)
         v = v_desc.load([start, 0])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -182,7 +162,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, n_tiles, offs_m, r
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - lse[:, None])
         if MASKED:
             offs_n = start + tl.arange(0, BLOCK_N)
-            visible = _visible(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
+            visible = visible_pairs(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
                                offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
@@ -245,7 +225,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_ti
         lse = tl.load(LSE_ROW + offs_m, mask=offs_m < seqlen, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse[None, :])
         if MASKED:
-            visible = _visible(offs_m[None, :], offs_n[:, None], key_doc_lo[:, None], key_doc_hi[:, None],
+            visible = visible_pairs(offs_m[None, :], offs_n[:, None], key_doc_lo[:, None], key_doc_hi[:, None],
                                offs_m[None, :], seqlen, CAUSAL, HAS_DOCS)
             p_t = tl.where(visible, p_t, 0.0)
         do = do_desc.load([start, 0])

@@ -8,8 +8,8 @@ Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md). Here a CTA takes 128 query rows with three
-partitions (`gl.warp_specialize`):
+(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md).
+Here a CTA takes 128 query rows with three partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves Q once and then each key tile's K and V by TMA into a two-stage ring,
   refilling a stage when both row groups have signalled (mbarriers) that they are done with it;
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
@@ -45,9 +45,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-# The Triton kernels' tile arithmetic, compiled as Gluon.
+# The Triton kernels' tile arithmetic, masks and softmax step, compiled as Gluon.
 _partner_range = gluon.jit(_attention_tiles.partner_range.fn)
 _tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
+_visible_pairs = gluon.jit(_attention_tiles.visible_pairs.fn)
+_online_softmax = gluon.jit(_attention_tiles.online_softmax.fn)
 
 
 @gluon.jit
@@ -60,30 +62,10 @@ def _load_tile(desc, start, bar, dest):
 def _masked_scores(scores, start, offs_m, row_doc_lo, row_doc_hi, seqlen, s_layout: gl.constexpr,
                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     """-inf where a query row does not see the key (past the sequence, in its future, another document)."""
-    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keys = offs_n[None, :]
-    visible = (offs_m[:, None] < seqlen) & (keys < seqlen)
-    if CAUSAL:
-        visible = visible & (keys <= offs_m[:, None])
-    if HAS_DOCS:
-        visible = visible & (keys >= row_doc_lo[:, None]) & (keys < row_doc_hi[:, None])
+    keys = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))[None, :]
+    visible = _visible_pairs(offs_m[:, None], keys, row_doc_lo[:, None], row_doc_hi[:, None], keys, seqlen, CAUSAL,
+                             HAS_DOCS)
     return gl.where(visible, scores, float("-inf"))
-
-
-@gluon.jit
-def _online_softmax(scores, m_i, l_i, qk_scale_log2, MASKED: gl.constexpr):
-    """One online-softmax step in log2 units: the tile's probabilities (unnormalized), the rescale
-    factor of what came before, and the new running max and sum."""
-    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale_log2)
-    if MASKED:
-        # A row with nothing visible yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_sub = m_new
-    p = gl.exp2(scores * qk_scale_log2 - m_sub[:, None])
-    alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
 
 
 @gluon.jit

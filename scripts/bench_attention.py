@@ -5,8 +5,9 @@ scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_AT
 torch.compile(flex_attention) with a causal block mask; and kernels.cudnn_attention (cuDNN's backward
 through the aten ops after our forward, which kernels=auto runs on Hopper). On Hopper "ours" and "auto"
 share the forward: kernels/flash_attention_hopper.py (Gluon, warp-specialized) for 16-bit inputs. TFLOP/s
-count causal FLOPs: forward 2*S^2*D per head, backward 2.5x that. Then the packed case: a pack of 16 documents of 4k tokens against 16 separate
-4k calls and against FlexAttention with a document-causal block mask.
+count causal FLOPs: forward 2*S^2*D per head, backward 2.5x that. Then the packed case: a pack of 16
+documents of 4k tokens against 16 separate 4k calls and against FlexAttention with a document-causal block
+mask.
 
     python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072] [--peers cudnn]
 

@@ -55,8 +55,8 @@ def test_the_forward_is_the_gluon_kernel_and_its_statistics_are_cudnns():
         pytest.skip("the Gluon forward runs on Hopper only, not under TRITON_OVERRIDE_ARCH=sm80")
     out = cudnn_attention.cudnn_attention(q, k, v)
     flash_attention.ensure_allocator(q.device)
-    expected, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, True,
-                                                                  128 ** -0.5 * flash_attention.LOG2E)
+    expected, _ = flash_attention_hopper.attention_forward(q, k, v, None, None, True,
+                                                           128 ** -0.5 * flash_attention.LOG2E)
     assert torch.equal(out, expected)
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]
     cudnn_stats = torch.ops.aten._scaled_dot_product_cudnn_attention(*heads_first, None, True, 0.0, True, False)[1]
