@@ -27,6 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from kernels import attention_tape
+from kernels.attention_workspace import fewest_head_groups
 
 LN2 = math.log(2)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -58,9 +59,7 @@ def _one_call_workspace_bytes(tokens: int, q_heads: int, head_dim: int) -> int:
 def backward_head_groups(tokens: int, q_heads: int, kv_heads: int, head_dim: int) -> int:
     """How many groups of KV heads the backward runs over: the fewest that divide the KV heads and keep one
     call's workspace within MAX_WORKSPACE_BYTES (one group per KV head at most)."""
-    whole = _one_call_workspace_bytes(tokens, q_heads, head_dim)
-    return next((groups for groups in range(1, kv_heads) if kv_heads % groups == 0
-                 and whole <= groups * MAX_WORKSPACE_BYTES), kv_heads)
+    return fewest_head_groups(_one_call_workspace_bytes(tokens, q_heads, head_dim), kv_heads, MAX_WORKSPACE_BYTES)
 
 
 def backward_workspace_bytes(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:

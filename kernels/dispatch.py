@@ -37,16 +37,18 @@ ATTENTION_KERNELS = ("flash", "cudnn")
 _backend = "auto"
 _attention_kernel = "flash"
 _sequence_group = None        # a torch.distributed group when attention runs sequence-parallel
+_deterministic = False        # attention's backward without atomics (the Triton two-kernel one)
 
 
-def set_backend(name: str, attention_kernel: str = "flash") -> None:
+def set_backend(name: str, attention_kernel: str = "flash", deterministic: bool = False) -> None:
     """Choose how ops dispatch; "triton" without CUDA is an error unless TRITON_INTERPRET=1.
-    attention_kernel: one of `attention_kernels(...)`, the one the memory plan was made for."""
-    global _backend, _attention_kernel
+    attention_kernel: one of `attention_kernels(...)`, the one the memory plan was made for.
+    deterministic: gradients bit-identical run to run (flash_attention's backward without atomics)."""
+    global _backend, _attention_kernel, _deterministic
     check_kernels_backend(name)
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel={attention_kernel!r} is not one of {ATTENTION_KERNELS}")
-    _backend, _attention_kernel = name, attention_kernel
+    _backend, _attention_kernel, _deterministic = name, attention_kernel, deterministic
 
 
 def set_sequence_parallel(group) -> None:
@@ -141,10 +143,12 @@ def _attention_on_this_rank(q, k, v, causal=True, cu_seqlens=None, softmax_scale
         if cudnn.supports(q, k, cu_seqlens):
             return cudnn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
-        op = _triton_op("attention")
-    else:
-        op = reference.attention
-    return op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+        # The one-pass backward (Hopper, not deterministic) needs an fp32 dQ workspace that only plans made for
+        # cuDNN's larger one count (kernels.attention_workspace); under a "flash" plan the two-kernel one runs.
+        deterministic = _deterministic or _attention_kernel != "cudnn"
+        return _triton_op("attention")(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
+                                       deterministic=deterministic)
+    return reference.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

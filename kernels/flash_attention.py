@@ -15,7 +15,9 @@ under a replaying one it returns the taped output without running the forward ke
 
 Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key block that loops over
 the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
-per query block. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
+per query block. On Hopper, 16-bit inputs take the one-pass Gluon backward instead
+(kernels/flash_attention_hopper_backward.py: 5 products per tile where these two kernels make 7, dQ added
+with TMA reductions, so not bit-identical run to run) unless `deterministic=True`. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
 past the end of the sequence.
 
 On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon, warp-specialized:
@@ -35,7 +37,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from kernels import attention_tape, flash_attention_hopper, tuning_cache
+from kernels import attention_tape, flash_attention_hopper, flash_attention_hopper_backward, tuning_cache
 from kernels._attention_tiles import online_softmax, partner_range, tile_runs, visible_pairs
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
@@ -359,7 +361,8 @@ def _needs_prefix_tuning(seqlen: int, key: tuple) -> bool:
     return seqlen > TUNE_MAX_SEQLEN and key not in _tuned_on_prefix and not triton_interpreting()
 
 
-def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, key: tuple) -> None:
+def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, deterministic: bool,
+                    key: tuple) -> None:
     """Run the forward and backward once on the first TUNE_MAX_SEQLEN tokens, so the autotuner picks the
     configs of this key there (seconds) and the long call reuses them. The backward is tuned here too,
     where memory is low, rather than in the first backward, where a long sequence's step peaks."""
@@ -367,7 +370,7 @@ def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, 
     bounds = (doc_start[:n], doc_end[:n].clamp(max=n)) if doc_start is not None else (None, None)
     q, k, v = q[:, :n], k[:, :n], v[:, :n]
     out, lse = _attention_forward(q, k, v, *bounds, causal, sm_scale)
-    _attention_backward(out, q, k, v, out, lse, *bounds, causal, sm_scale)   # any dO will do: out
+    _attention_backward(out, q, k, v, out, lse, *bounds, causal, sm_scale, deterministic)  # any dO will do: out
     _tuned_on_prefix.add(key)
 
 
@@ -442,7 +445,8 @@ def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: floa
     return out, lse
 
 
-def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool, sm_scale: float):
+def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool, sm_scale: float,
+                        deterministic: bool = True):
     batch, seqlen, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
@@ -452,6 +456,10 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
     _attn_bwd_delta_kernel[(triton.cdiv(seqlen, delta_block), q_heads, batch)](
         out, do, delta, *_strides3(out), *do.stride(), seqlen, HEAD_DIM=head_dim, BLOCK_M=delta_block)
 
+    if (not deterministic and flash_attention_hopper.supports(q)
+            and flash_attention_hopper_backward.supports(q, do) and tma_compatible(do)):
+        return flash_attention_hopper_backward.attention_backward(do, q, k, v, lse, delta, doc_start, doc_end,
+                                                                  causal, sm_scale, sm_scale * LOG2E)
     if not tma_compatible(do):
         # Autograd can hand a broadcast gradient (stride 0, e.g. from out.sum()) that no tensor descriptor
         # can describe: the only copy this op makes, and only for such layouts.
@@ -469,7 +477,7 @@ def _attention_backward(do, q, k, v, out, lse, doc_start, doc_end, causal: bool,
 
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, cu_seqlens, softmax_scale):
+    def forward(ctx, q, k, v, causal: bool, cu_seqlens, softmax_scale, deterministic: bool):
         _check_inputs(q, k, v)
         batch, seqlen = q.shape[:2]
         sm_scale = softmax_scale if softmax_scale is not None else q.shape[3] ** -0.5
@@ -479,9 +487,9 @@ class FlashAttentionFunction(torch.autograd.Function):
             check_cu_seqlens(cu_seqlens, batch, seqlen)
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
             doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
-        tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None)
+        tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None, deterministic)
         if _needs_prefix_tuning(q.shape[1], tuning_key):
-            _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, tuning_key)
+            _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, deterministic, tuning_key)
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
         if saved is None:
             out, lse = _attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale)
@@ -490,6 +498,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             out, lse = saved
         ctx.save_for_backward(q, k, v, out, lse, doc_start, doc_end)
         ctx.causal, ctx.sm_scale, ctx.batch_shape = causal, sm_scale, (batch, seqlen)
+        ctx.deterministic = deterministic
         return out.view(batch, seqlen, *out.shape[2:])
 
     @staticmethod
@@ -499,10 +508,11 @@ class FlashAttentionFunction(torch.autograd.Function):
         ensure_allocator(q.device)
         # Packed documents fold the batch; reshape is a view for any gradient the model produces.
         grad_out = grad_out.reshape(out.shape)
-        dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale)
+        dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, doc_start, doc_end, ctx.causal, ctx.sm_scale,
+                                         ctx.deterministic)
         batch, seqlen = ctx.batch_shape
         return (dq.view(batch, seqlen, *dq.shape[2:]), dk.view(batch, seqlen, *dk.shape[2:]),
-                dv.view(batch, seqlen, *dv.shape[2:]), None, None, None)
+                dv.view(batch, seqlen, *dv.shape[2:]), None, None, None, None)
 
 
 def supports(head_dim: int, dtype: torch.dtype | None) -> bool:
@@ -512,6 +522,8 @@ def supports(head_dim: int, dtype: torch.dtype | None) -> bool:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention with the signature and layout of `kernels.reference.attention`; see the module doc."""
-    return FlashAttentionFunction.apply(q, k, v, causal, cu_seqlens, softmax_scale)
+                    cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None,
+                    deterministic: bool = False) -> torch.Tensor:
+    """Attention with the signature and layout of `kernels.reference.attention`; see the module doc.
+    deterministic: a backward whose gradients are bit-identical run to run (the Triton two-kernel one)."""
+    return FlashAttentionFunction.apply(q, k, v, causal, cu_seqlens, softmax_scale, deterministic)

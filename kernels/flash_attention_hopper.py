@@ -42,6 +42,7 @@ MAX_REGISTERS = 168
 ROWS_REGISTERS = gl.constexpr(240)
 LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_GRID_Y = 65535                     # CUDA's limit on a grid's second axis (query blocks here)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -203,9 +204,11 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    # Causal blocks late in the sequence do the most work: launch them first.
-    m_start = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    head = gl.program_id(1)
+    # Causal blocks late in the sequence do the most work: launch them first, of every head (heads are the
+    # grid's fastest axis), so the CTAs start heaviest first and the last wave is short: at 8k tokens, block
+    # order within each head in turn would leave the GPU 5% idle at the end (a list-scheduling model).
+    head = gl.program_id(0)
+    m_start = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
     batch = gl.program_id(2).to(gl.int64)
     kv_head = head // GROUP
     q_desc = _head_view(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM, q_layout)
@@ -239,7 +242,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     # the row groups would wait for tile 0 forever.
     n_tiles = head_tiles + mid_tiles + tail_tiles
     tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
-    lse_rows = LSE + (batch * gl.num_programs(1) + head) * seqlen
+    lse_rows = LSE + (batch * gl.num_programs(0) + head) * seqlen
     gl.warp_specialize([
         (_rows_partition, (smem, bars, o_desc, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
                            CAUSAL, HAS_DOCS)),
@@ -255,12 +258,20 @@ def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: 
     batch, seqlen, q_heads, head_dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
-    _attn_fwd_kernel[(triton.cdiv(seqlen, 2 * GROUP_ROWS.value), q_heads, batch)](
+    _attn_fwd_kernel[(q_heads, _query_blocks(seqlen), batch)](
         q, k, v, out, lse, doc_start, doc_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *out.stride()[:3], seqlen, qk_scale_log2,
         GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
         HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
     return out, lse
+
+
+def _query_blocks(seqlen: int) -> int:
+    blocks = triton.cdiv(seqlen, 2 * GROUP_ROWS.value)
+    if blocks > MAX_GRID_Y:
+        raise ValueError(f"{seqlen} tokens in one row is more than this kernel's {MAX_GRID_Y * 2 * GROUP_ROWS.value}: "
+                         "split the row (sequence parallelism, parallel.sequence) or use fewer tokens")
+    return blocks
 
 
 def _runs_hopper_code(device: torch.device) -> bool:

@@ -4,7 +4,9 @@ Causal, B=1, 32 query heads, 8 KV heads, D=128, bf16, side by side in one run wi
 scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_ATTENTION, and
 torch.compile(flex_attention) with a causal block mask; and kernels.cudnn_attention (cuDNN's backward
 through the aten ops after our forward, which kernels=auto runs on Hopper). On Hopper "ours" and "auto"
-share the forward: kernels/flash_attention_hopper.py (Gluon, warp-specialized) for 16-bit inputs. TFLOP/s
+share the forward: kernels/flash_attention_hopper.py (Gluon, warp-specialized) for 16-bit inputs; "ours"
+has the one-pass Gluon backward there (kernels/flash_attention_hopper_backward.py; deterministic=True
+would run the Triton two-kernel one). TFLOP/s
 count causal FLOPs: forward 2*S^2*D per head, backward 2.5x that. Then the packed case: a pack of 16
 documents of 4k tokens against 16 separate 4k calls and against FlexAttention with a document-causal block
 mask.

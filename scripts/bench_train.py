@@ -62,7 +62,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
         cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
     validate(cfg)
-    kernels.set_backend(cfg.kernels)
+    kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
     device = torch.device("cuda")
     built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan

@@ -1,5 +1,5 @@
-"""Compile every Triton kernel of kernels/ for the A100 (sm_80), and the Gluon Hopper forward
-(kernels/flash_attention_hopper.py, which only Hopper runs) for sm_90a, on any machine: no GPU, no CUDA driver.
+"""Compile every Triton kernel of kernels/ for the A100 (sm_80), and the Gluon Hopper forward and backward
+(kernels/flash_attention_hopper*.py, which only Hopper runs) for sm_90a, on any machine: no GPU, no CUDA driver.
 
 Triton's wheel carries everything its NVIDIA backend needs (libtriton's MLIR/LLVM passes, libdevice, ptxas),
 so `triton.compile` with an explicit GPUTarget("cuda", 80, 32) runs down to a cubin on a CPU-only host. It
@@ -36,15 +36,15 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import kernels  # noqa: E402
 
 # By module path: kernels/__init__.py binds some of these names to the ops (functions) instead.
-_row_norm, adamw_update, fa, fa_hopper, layer_norm, linear_cross_entropy, rms_norm, rope, swiglu = (
-    importlib.import_module(f"kernels.{name}") for name in
-    ("_row_norm", "adamw_update", "flash_attention", "flash_attention_hopper", "layer_norm", "linear_cross_entropy",
-     "rms_norm", "rope", "swiglu"))
+(_row_norm, adamw_update, fa, fa_hopper, fa_hopper_backward, layer_norm, linear_cross_entropy, rms_norm, rope,
+ swiglu) = (importlib.import_module(f"kernels.{name}") for name in
+            ("_row_norm", "adamw_update", "flash_attention", "flash_attention_hopper",
+             "flash_attention_hopper_backward", "layer_norm", "linear_cross_entropy", "rms_norm", "rope", "swiglu"))
 
 A100 = GPUTarget("cuda", 80, 32)
 H100 = GPUTarget("cuda", 90, 32)
 # The attention kernels' tensors: bf16 except the fp32 row statistics and the int32 document bounds.
-ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32"}
+ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DQ_ACC": "*fp32"}
 ATTENTION_SCALARS = {"qk_scale_log2": "fp32", "sm_scale": "fp32"}
 ATTENTION_SHAPE = {"GROUP": 4, "HEAD_DIM": 128, "CAUSAL": True}   # Llama-3 8B
 NORM_BLOCK, NORM_WARPS = _row_norm.row_config(4096, None)
@@ -58,13 +58,25 @@ def _attention(fn, configs, all_configs: bool):
             for has_docs in ((False, True) if all_configs else (False,))]
 
 
+def _hopper_shapes(all_configs: bool) -> list[tuple[int, bool, bool]]:
+    """(head dim, causal, documents): D=128 with and without documents and D=64; with --all-configs not causal."""
+    return [(128, True, False), (128, True, True), (64, True, False)] + ([(128, False, True)] if all_configs else [])
+
+
 def _hopper_forward(all_configs: bool):
-    """The Gluon forward at D=128 with and without documents and at D=64, and with --all-configs not causal."""
-    shapes = [(128, True, False), (128, True, True), (64, True, False)] + ([(128, False, True)] if all_configs else [])
     launch = dict(num_warps=4, maxnreg=fa_hopper.MAX_REGISTERS)
     return [(fa_hopper._attn_fwd_kernel, {"GROUP": 4, "HEAD_DIM": head_dim, "CAUSAL": causal, "HAS_DOCS": docs,
                                           "BLOCK_N": fa_hopper.BLOCK_N, "NUM_STAGES": fa_hopper.NUM_STAGES},
-             launch, ATTENTION_POINTERS, ATTENTION_SCALARS) for head_dim, causal, docs in shapes]
+             launch, ATTENTION_POINTERS, ATTENTION_SCALARS) for head_dim, causal, docs in _hopper_shapes(all_configs)]
+
+
+def _hopper_backward(all_configs: bool):
+    launch = dict(num_warps=8, maxnreg=fa_hopper.MAX_REGISTERS)
+    tiles = {"BLOCK_M": fa_hopper_backward.BLOCK_M, "BLOCK_N": fa_hopper_backward.BLOCK_N,
+             "NUM_STAGES": fa_hopper_backward.NUM_STAGES}
+    return [(fa_hopper_backward._attn_bwd_kernel,
+             {"GROUP": 4, "HEAD_DIM": head_dim, "CAUSAL": causal, "HAS_DOCS": docs, **tiles},
+             launch, ATTENTION_POINTERS, ATTENTION_SCALARS) for head_dim, causal, docs in _hopper_shapes(all_configs)]
 
 
 def compile_jobs(all_configs: bool) -> list[tuple]:
@@ -77,6 +89,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
         *_attention(fa._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
         *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
         *_hopper_forward(all_configs),
+        *_hopper_backward(all_configs),
         (fa._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
         (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
          {"eps": "fp32"}),
@@ -108,7 +121,8 @@ def project_kernels() -> set[str]:
 
 
 def _is_pointer(fn, name: str) -> bool:
-    return name.endswith("_ptr") or (name.isupper() and fn.__module__ in (fa.__name__, fa_hopper.__name__))
+    return name.endswith("_ptr") or (name.isupper() and fn.__module__ in (fa.__name__, fa_hopper.__name__,
+                                                                           fa_hopper_backward.__name__))
 
 
 def _spill_bytes(ptx: str, arch: str) -> int:

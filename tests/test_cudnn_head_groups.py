@@ -77,3 +77,13 @@ def test_a_groups_gradients_are_freed_before_the_next_group_runs(monkeypatch):
     assert cudnn_attention.backward_head_groups(24, 8, 4, 16) == 4
     torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v), (q, k, v), torch.randn(1, 24, 8, 16))
     assert len(returned) == 3 * 4
+
+
+@pytest.mark.parametrize("tokens", [1, 4096, 32768, 131072, 262144, 524288, 4 * 2**20])
+def test_the_one_pass_backward_needs_no_more_than_the_cudnn_workspace_it_runs_under(tokens):
+    """kernels.dispatch runs flash_attention's one-pass backward only under plans that count cuDNN's workspace:
+    its fp32 dQ accumulator (one call's, over head groups as cuDNN's) must fit in that."""
+    from kernels import attention_workspace
+    one_pass = attention_workspace.one_pass_workspace_bytes(tokens, 32, 8, 128)
+    assert 0 < one_pass <= attention_workspace.ONE_PASS_MAX_BYTES or tokens == 4 * 2**20
+    assert one_pass <= cudnn_attention.backward_workspace_bytes(tokens, 32, 8, 128)

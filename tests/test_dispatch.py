@@ -38,6 +38,20 @@ def test_triton_under_the_interpreter_dispatches_to_the_kernel(monkeypatch):
     assert dispatch._pick("attention", torch.randn(1)) is dispatch._triton_op("attention")
 
 
+@pytest.mark.parametrize("deterministic,attention_kernel,two_kernel_backward", [
+    (True, "cudnn", True), (False, "cudnn", False), (False, "flash", True), (True, "flash", True)])
+def test_attention_is_told_which_backward_to_run(monkeypatch, deterministic, attention_kernel, two_kernel_backward):
+    """flash_attention runs its one-pass backward (atomics, a workspace) only where the job is not deterministic
+    and its plan counted cuDNN's backward workspace, which is larger: packed rows of a "cudnn" plan."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    monkeypatch.setattr(dispatch, "_triton_op", lambda name: lambda *args, **options: seen.append(options))
+    kernels.set_backend("triton", attention_kernel, deterministic)
+    q = torch.randn(1, 4, 2, 16)
+    dispatch.attention(q, q, q, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))   # cuDNN takes no packed rows
+    assert [options["deterministic"] for options in seen] == [two_kernel_backward]
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ConfigError, match="is not one of"):
         kernels.set_backend("cuda")

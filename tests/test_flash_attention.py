@@ -177,7 +177,7 @@ def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     assert flash._seq_bucket(9) == 16 and flash._seq_bucket(40) == 16
     q, k, v = (t.detach() for t in _inputs(1, 40, 2, 1, 64, torch.float32))
     doc_start, doc_end = flash._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
-    flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, "key")
+    flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, True, "key")
     assert flash._tuned_on_prefix == {"key"}
     monkeypatch.setattr(flash, "triton_interpreting", lambda: False)
     assert not flash._needs_prefix_tuning(40, "key") and flash._needs_prefix_tuning(40, "other")
@@ -312,39 +312,95 @@ def test_gpu_packed_documents_bf16():
 
 @gpu
 def test_gpu_deterministic():
+    """deterministic=True: bit-identical gradients run to run. The default's may differ in the last bits where
+    the one-pass backward runs (Hopper: dQ added by atomics), and dK/dV still agree with it closely."""
     torch.manual_seed(0)
     q, k, v = _inputs(1, 8192, 32, 8, 128, torch.bfloat16, "cuda")
     grad_out = torch.randn_like(q)
-    runs = [torch.autograd.grad(flash_attention(q, k, v), (q, k, v), grad_out) for _ in range(2)]
+    runs = [torch.autograd.grad(flash_attention(q, k, v, deterministic=True), (q, k, v), grad_out)
+            for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
+    default = torch.autograd.grad(flash_attention(q, k, v), (q, k, v), grad_out)
+    for fast, exact in zip(default, runs[0]):
+        assert _rel_err(fast, exact) < 3e-3
+
+
+@gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon backward is Hopper's")
+@pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
+@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype,packed,groups", [
+    (1, 65, 2, 1, 128, True, torch.bfloat16, False, 1),        # one row past a tile
+    (1, 1000, 4, 2, 128, True, torch.bfloat16, False, 1),      # a tail tile
+    (2, 777, 4, 1, 64, True, torch.bfloat16, False, 1),        # D=64, a tail, the next batch row's heads after
+    (1, 1500, 4, 2, 128, False, torch.bfloat16, False, 1),
+    (1, 1500, 4, 2, 128, True, torch.float16, False, 1),
+    (1, 4096, 32, 8, 128, True, torch.bfloat16, False, 1),
+    (2, 2048, 4, 2, 128, True, torch.bfloat16, True, 1),
+    (2, 1000, 8, 4, 128, True, torch.bfloat16, False, 4),      # four calls over groups of KV heads
+])
+def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim, causal,
+                                                   dtype, packed, groups):
+    """The one-pass Gluon backward (the default on Hopper) against the fp32 reference, no worse than the Triton
+    two-kernel one (deterministic=True), over gradients' buffers poisoned with NaN; with a workspace cap that
+    splits it over groups of KV heads too."""
+    from kernels import attention_workspace, flash_attention_hopper_backward
+    if groups > 1:
+        whole = 4 * batch * seqlen * q_heads * head_dim
+        monkeypatch.setattr(attention_workspace, "ONE_PASS_MAX_BYTES", whole // groups)
+        assert attention_workspace.one_pass_head_groups(batch * seqlen, q_heads, kv_heads, head_dim) == groups
+    calls = []
+    original = flash_attention_hopper_backward.attention_backward
+    monkeypatch.setattr(flash_attention_hopper_backward, "attention_backward",
+                        lambda *args: calls.append(1) or original(*args))
+    torch.manual_seed(seqlen)
+    q, k, v = _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, "cuda")
+    cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(3)).cuda() if packed else None
+    grad_out = torch.randn_like(q)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=causal, cu_seqlens=cu_seqlens)
+    exact = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+    two_kernel = torch.autograd.grad(flash_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens,
+                                                     deterministic=True), (q, k, v), grad_out)
+    assert not calls
+    poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q, q)]
+    del poison
+    one_pass = torch.autograd.grad(flash_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens), (q, k, v), grad_out)
+    assert calls == [1]
+    for name, ours, triton_grad, r in zip(("dq", "dk", "dv"), one_pass, two_kernel, exact):
+        ours_err, triton_err = _rel_err(ours, r), _rel_err(triton_grad, r)
+        print(f"{name}: one-pass {ours_err:.2e}, two-kernel {triton_err:.2e}")
+        assert ours_err <= 1.05 * triton_err + 1e-6, (name, ours_err, triton_err)
 
 
 @gpu
 def test_gpu_compiled_code_is_the_architectures():
-    """Hopper: TMA tile moves and wgmma products, the forward in the warp-specialized Gluon kernel (setmaxnreg
-    hands registers from its load warp to its row groups). Under TRITON_OVERRIDE_ARCH=sm80 (the process runs
+    """Hopper: TMA tile moves and wgmma products, the forward and the one-pass backward in warp-specialized
+    Gluon kernels (setmaxnreg hands registers from their load warp to the others). Under TRITON_OVERRIDE_ARCH=sm80 (the process runs
     the code an A100 compiles): the Triton forward, no TMA, no wgmma, mma.sync products."""
     import kernels.flash_attention as flash
-    from kernels import flash_attention_hopper
+    from kernels import flash_attention_hopper, flash_attention_hopper_backward
     device = torch.cuda.current_device()
 
     def compiled(fn):
         return [kernel.asm["ptx"] for kernel in fn.device_caches[device][0].values()]
     # What the Gluon forward holds after the call below was compiled for it: earlier tests may have filled it.
     flash_attention_hopper._attn_fwd_kernel.device_caches[device][0].clear()
+    flash_attention_hopper_backward._attn_bwd_kernel.device_caches[device][0].clear()
     q, k, v = _inputs(1, 1024, 8, 2, 128, torch.bfloat16, "cuda")
-    torch.autograd.grad(flash_attention(q, k, v), (q, k, v), torch.randn_like(q))
+    for deterministic in (True, False):
+        torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), torch.randn_like(q))
     ptx = [code for tuned in flash._TUNED.values() for code in compiled(tuned.fn)]
     a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
-    hopper_forward = compiled(flash_attention_hopper._attn_fwd_kernel)
+    hopper = compiled(flash_attention_hopper._attn_fwd_kernel) + compiled(flash_attention_hopper_backward._attn_bwd_kernel)
     if torch.cuda.get_device_capability()[0] == 9 and not a100:
-        assert len(ptx) >= 2 and len(hopper_forward) >= 1    # dq and dk/dv in Triton, the forward in Gluon
-        assert all("setmaxnreg" in code and "wgmma" in code for code in hopper_forward)
+        # dq and dk/dv in Triton (deterministic), the forward and the one-pass backward in Gluon
+        assert len(ptx) >= 2 and len(hopper) == 2
+        assert all("setmaxnreg" in code and "wgmma" in code for code in hopper)
     else:
-        assert len(ptx) >= 3 and not hopper_forward
+        assert len(ptx) >= 3 and not hopper
     if torch.cuda.get_device_capability()[0] == 9 or a100:
-        for code in ptx + hopper_forward:
+        for code in ptx + hopper:
             assert ("mma.sync" in code) == a100 and ("wgmma" in code) != a100
             assert ("cp.async.bulk.tensor" in code) != a100
 

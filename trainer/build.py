@@ -119,7 +119,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
     """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says, and
     the ops dispatched to the attention kernel the plan was made for."""
     log.info("%s", plan.describe())
-    kernels.set_backend(cfg.kernels, plan.attention_kernel)
+    kernels.set_backend(cfg.kernels, plan.attention_kernel, cfg.deterministic)
     dtype = plan.weights_dtype
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)

@@ -94,7 +94,7 @@ def train(cfg) -> dict:
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
     try:
-        kernels.set_backend(cfg.kernels)
+        kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
         kernels.set_sequence_parallel(world.sequence_group if world.sequence > 1 else None)
         seed_everything(cfg.seed)
         # A job that cannot fit stops before writing anything.

@@ -28,8 +28,9 @@ class JobConfig:
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
     device: str = "auto"        # conf.schema.job.DEVICES
     kernels: str = "auto"       # conf.schema.job.KERNEL_BACKENDS
-    # Bit-identical results run to run: attention runs our Triton kernels, whose backward adds no atomics,
-    # instead of cuDNN's where that is faster (kernels.dispatch.attention_kernels; docs/BENCHMARKS.md).
+    # Bit-identical results run to run: attention's backward is our Triton two-kernel one, which adds no
+    # atomics, instead of cuDNN's or (on Hopper) the one-pass Gluon one, which add dQ with atomics and are
+    # faster (kernels.dispatch.attention_kernels; docs/BENCHMARKS.md).
     deterministic: bool = False
     log_every: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
