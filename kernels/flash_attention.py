@@ -17,11 +17,14 @@ Backward: a preprocess kernel for delta = rowsum(dO * O); a dK/dV kernel per key
 the query heads of its group (dk/dv are summed in registers: deterministic, no atomics); a dQ kernel
 per query block. On Hopper, 16-bit inputs take the one-pass Gluon backward instead
 (kernels/flash_attention_hopper_backward.py: 5 products per tile where these two kernels make 7, dQ added
-with TMA reductions, so not bit-identical run to run) unless `deterministic=True`. Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
+with TMA reductions, so not bit-identical run to run) unless `deterministic=True`, where Q's and dO's heads
+are adjacent within a token and dO suits a tensor descriptor. kernels.dispatch asks for it only for packed
+rows under a cuDNN memory plan (kernels/attention_workspace.py). Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
 past the end of the sequence.
 
-On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon, warp-specialized:
-faster than this Triton forward, and than cuDNN's from 32k tokens up, docs/BENCHMARKS.md); fp32 inputs, other
+On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon,
+warp-specialized: faster than this Triton forward, and than cuDNN's from 32k tokens up,
+docs/BENCHMARKS.md); fp32 inputs, other
 GPUs and Triton's interpreter run the one here, which that kernel's tests hold it to.
 
 Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
@@ -488,7 +491,9 @@ class FlashAttentionFunction(torch.autograd.Function):
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
             doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
         tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None, deterministic)
-        if _needs_prefix_tuning(q.shape[1], tuning_key):
+        # Hopper's Gluon forward and one-pass backward tune nothing: no prefix run for them.
+        gluon_only = flash_attention_hopper.supports(q) and not deterministic
+        if not gluon_only and _needs_prefix_tuning(q.shape[1], tuning_key):
             _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, deterministic, tuning_key)
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
         if saved is None:

@@ -3,7 +3,8 @@
 The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
 read through their strides, optional per-token document bounds (packed documents folded into one row),
 causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
-fp32) that the Triton backward, cuDNN's backward (kernels.cudnn_attention) and the attention tape take.
+fp32) that the backwards (Triton's, the one-pass Gluon one, cuDNN's through kernels.cudnn_attention) and
+the attention tape take.
 Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no

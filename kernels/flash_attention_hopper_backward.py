@@ -33,12 +33,11 @@ from triton.experimental.gluon.language._core import builtin
 
 from kernels import _attention_tiles
 from kernels.attention_workspace import one_pass_head_groups
-from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_REGISTERS, _head_view
+from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
 NUM_STAGES = 2                     # Q and dO tiles in flight: 196 KiB of shared memory in all at D = 128
-MAX_GRID_Y = 65535                 # CUDA's limit on a grid's second axis (key blocks here)
 
 _partner_range = gluon.jit(_attention_tiles.partner_range.fn)
 _tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
@@ -275,10 +274,11 @@ def attention_backward(do, q, k, v, lse, delta, doc_start, doc_end, causal: bool
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     groups = one_pass_head_groups(batch * seqlen, q_heads, kv_heads, head_dim)
     call_kv_heads = kv_heads // groups
+    # One accumulator for every call: a second alive beside it would double the workspace the planner counts.
+    dq_acc = torch.empty((batch, call_kv_heads * group, seqlen, head_dim), device=q.device, dtype=torch.float32)
     for first_kv_head in range(0, kv_heads, call_kv_heads):
         heads = slice(first_kv_head * group, (first_kv_head + call_kv_heads) * group)
-        dq_acc = torch.zeros((batch, call_kv_heads * group, seqlen, head_dim), device=q.device,
-                             dtype=torch.float32)
+        dq_acc.zero_()
         _attn_bwd_kernel[(call_kv_heads, key_blocks, batch)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, doc_start, doc_end, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seqlen, q_heads,

@@ -363,6 +363,7 @@ def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q
     two_kernel = torch.autograd.grad(flash_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens,
                                                      deterministic=True), (q, k, v), grad_out)
     assert not calls
+    # NaN in the blocks the caching allocator hands out next: the gradients' and the accumulator's buffers
     poison = [torch.full_like(t, float("nan")) for t in (q, k, v, q, q)]
     del poison
     one_pass = torch.autograd.grad(flash_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens), (q, k, v), grad_out)
@@ -420,7 +421,7 @@ def test_gpu_compiled_code_is_the_architectures():
 def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim,
                                                        causal, dtype, packed):
     """The Gluon forward against the fp32 reference, no worse than the Triton forward it replaces, with the
-    same log-sum-exp (which both backwards read), over a poisoned output buffer."""
+    same log-sum-exp (which the backwards read), over a poisoned output buffer."""
     import kernels.flash_attention as flash
     from kernels import flash_attention_hopper
     torch.manual_seed(seqlen)
