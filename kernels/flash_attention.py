@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.weak import WeakIdKeyDictionary
 import triton
 import triton.language as tl
 
@@ -377,6 +378,24 @@ def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, 
     _tuned_on_prefix.add(key)
 
 
+# Checking cu_seqlens reads it back to the host, which waits for the GPU: once per tensor (again after an
+# in-place change), not in every layer's forward. Each layer of a step gets the same tensor.
+_checked_bounds = WeakIdKeyDictionary()
+
+
+def _checked_document_bounds(cu_seqlens: torch.Tensor, batch: int, seqlen: int,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_document_bounds of a checked cu_seqlens, computed once per tensor and layout."""
+    key = (cu_seqlens._version, batch, seqlen, device)
+    known = _checked_bounds.get(cu_seqlens)
+    if known is not None and known[0] == key:
+        return known[1]
+    check_cu_seqlens(cu_seqlens, batch, seqlen)
+    bounds = _document_bounds(cu_seqlens.to(device), batch * seqlen)
+    _checked_bounds[cu_seqlens] = (key, bounds)
+    return bounds
+
+
 def _document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, the start and end offsets of its document (int32, O(total) memory)."""
     positions = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
@@ -487,9 +506,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         ensure_allocator(q.device)
         doc_start = doc_end = None
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, batch, seqlen)
+            doc_start, doc_end = _checked_document_bounds(cu_seqlens, batch, seqlen, q.device)
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
-            doc_start, doc_end = _document_bounds(cu_seqlens.to(q.device), batch * seqlen)
         tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None, deterministic)
         # Hopper's Gluon forward and one-pass backward tune nothing: no prefix run for them.
         gluon_only = flash_attention_hopper.supports(q) and not deterministic

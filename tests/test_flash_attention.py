@@ -167,6 +167,29 @@ def test_bad_cu_seqlens():
 
 
 @interpreted
+def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """Checking cu_seqlens reads it to the host (on a GPU, a wait for all queued work): each layer of a step
+    passes the same tensor, so it is checked, and its document bounds built, once; an in-place change is
+    checked again, and a bad value still raises."""
+    import kernels.flash_attention as flash
+    checks = []
+    original = flash.check_cu_seqlens
+    monkeypatch.setattr(flash, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
+    q, k, v = _inputs(1, 24, 2, 1, 64, torch.float32)
+    cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
+    first = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+    second = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+    assert len(checks) == 1 and torch.equal(first, second)
+    cu_seqlens[1] = 5                        # other documents: checked again, and the output follows them
+    moved = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+    assert len(checks) == 2 and not torch.equal(moved, first)
+    _check_against_reference(q, k, v, True, cu_seqlens)
+    cu_seqlens[1] = 30                       # decreasing: refused, not taken from the earlier check
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+
+
+@interpreted
 def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     """Past TUNE_MAX_SEQLEN the tuning key stops growing, and the configs are tuned on a prefix of that
     length (seconds) instead of on the whole sequence (minutes at 524k); documents crossing the prefix
