@@ -16,10 +16,16 @@ mask.
 Each length first times our first forward+backward call: autotuning and compiling, unless the tuning cache
 (kernels/tuning_cache.py, $LONGCTX_TUNING_CACHE) and Triton's compile cache already hold them.
 TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
+
+The contenders of a case are timed in turn, round after round (`--rounds`, 5 by default), and each cell is
+the median over the rounds with its spread (max - min, in % of the median): the GPU's clock moves with its
+temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
+`--profile` adds, per case, the GPU time of each kernel of our forward+backward (torch.profiler).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +38,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import cudnn_attention  # noqa: E402
 from kernels import flash_attention as fa  # noqa: E402
+from scripts import step_profile  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 compiled_flex = torch.compile(flex_attention)
@@ -69,29 +76,65 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def time_ms(fn, q, k, v, backward: bool) -> float:
+def step_fn(fn, q, k, v, backward: bool):
+    """One call to time: the forward alone (no autograd), or forward and backward."""
     if not backward:
-        with torch.no_grad():
-            return triton.testing.do_bench(lambda: fn(q, k, v), warmup=50, rep=300, return_mode="median")
+        def forward():
+            with torch.no_grad():
+                fn(q, k, v)
+        return forward
     grad_out = torch.randn_like(q)
-
-    def step():
-        torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
-    return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
 
-def measure(name, fn, inputs, doc_lengths, results):
-    row = {}
-    for backward in (False, True):
-        try:
-            ms = time_ms(fn, *inputs, backward)
-            row["fwd+bwd" if backward else "fwd"] = (ms, causal_flops(doc_lengths, backward) / ms / 1e9)
-        except Exception as error:  # a backend that refuses this shape is reported, not fatal
-            row["fwd+bwd" if backward else "fwd"] = None
-            print(f"  {name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-    results.append((name, row))
-    cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s" if v else f"{k} failed" for k, v in row.items()]
-    print(f"  {name:<28}" + " | ".join(cells), flush=True)
+def measure(contenders, inputs, doc_lengths, results, rounds: int):
+    """Time every contender's forward and forward+backward once per round, in turn, and report the median
+    over the rounds with its spread. contenders: [(name, fn)]; a backend that refuses this shape is reported,
+    not fatal."""
+    times = {(name, backward): [] for name, _ in contenders for backward in (False, True)}
+    for _ in range(rounds):
+        for name, fn in contenders:
+            for backward in (False, True):
+                if times[name, backward] is None:
+                    continue
+                try:
+                    step = step_fn(fn, *inputs, backward)
+                    times[name, backward].append(triton.testing.do_bench(step, warmup=25, rep=100,
+                                                                         return_mode="median"))
+                except Exception as error:
+                    times[name, backward] = None
+                    print(f"  {name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    for name, _ in contenders:
+        row = {}
+        for backward in (False, True):
+            runs = times[name, backward]
+            if runs:
+                ms = statistics.median(runs)
+                row["fwd+bwd" if backward else "fwd"] = (ms, causal_flops(doc_lengths, backward) / ms / 1e9,
+                                                         100 * (max(runs) - min(runs)) / ms)
+            else:
+                row["fwd+bwd" if backward else "fwd"] = None
+        results.append((name, row))
+        cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%" if v else f"{k} failed"
+                 for k, v in row.items()]
+        print(f"  {name:<28}" + " | ".join(cells), flush=True)
+
+
+def profile_kernels(name: str, fn, inputs, steps: int = 3) -> None:
+    """GPU time of each kernel of `steps` forward+backward calls (after one unprofiled), per call."""
+    from torch.profiler import ProfilerActivity, profile
+    step = step_fn(fn, *inputs, backward=True)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted(step_profile.device_kernels(prof), key=lambda kernel: -kernel[1])
+    total = sum(micros for _, micros in kernels)
+    print(f"  profile of {name}, per forward+backward: {total / steps / 1e3:.2f} ms of kernels", flush=True)
+    for kernel, micros in kernels:
+        print(f"    {micros / steps / 1e3:8.3f} ms {100 * micros / total:5.1f}%  {kernel[:110]}", flush=True)
 
 
 def first_call_seconds(q, k, v) -> float:
@@ -103,7 +146,7 @@ def first_call_seconds(q, k, v) -> float:
     return time.perf_counter() - start
 
 
-def bench_causal(seqlen: int, peers: list[str], results):
+def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool):
     print(f"S={seqlen}", flush=True)
     inputs = make_inputs(seqlen)
     print(f"  first fwd+bwd call (tuning + compiling unless cached): {first_call_seconds(*inputs):.1f} s", flush=True)
@@ -111,17 +154,19 @@ def bench_causal(seqlen: int, peers: list[str], results):
             # the block mask is built without a dense S x S mask
             "flex": lambda: flex(create_block_mask(causal_mask, None, None, seqlen, seqlen, _compile=True))}
     names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
-    measure(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True), inputs,
-            [seqlen], results)
+    contenders = [(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True))]
     if cudnn_attention.available(inputs[0].device):   # what kernels=auto runs on this GPU
-        measure(f"S={seqlen} cudnn_attention (auto)", lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v),
-                inputs, [seqlen], results)
-    for peer in peers:
-        measure(f"S={seqlen} {names[peer]}", runs[peer](), inputs, [seqlen], results)
+        contenders.append((f"S={seqlen} cudnn_attention (auto)",
+                           lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
+    contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]
+    measure(contenders, inputs, [seqlen], results, rounds)
     print("  tuned:", fa.tuned_configs(), flush=True)
+    if profile:
+        for name, fn in contenders:
+            profile_kernels(name, fn, inputs)
 
 
-def bench_packed(num_docs: int, doc_len: int, results):
+def bench_packed(num_docs: int, doc_len: int, results, rounds: int, profile: bool):
     total = num_docs * doc_len
     print(f"packed: {num_docs} x {doc_len} documents in one {total}-token row", flush=True)
     inputs = make_inputs(total)
@@ -135,30 +180,35 @@ def bench_packed(num_docs: int, doc_len: int, results):
         return torch.cat([fa.flash_attention(q[:, s:s + doc_len], k[:, s:s + doc_len], v[:, s:s + doc_len])
                           for s in range(0, total, doc_len)], dim=1)
     block_mask = create_block_mask(document_causal, None, None, total, total, _compile=True)
-    lengths = [doc_len] * num_docs
-    measure("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens), inputs,
-            lengths, results)
-    measure(f"ours {num_docs} separate calls", separate_calls, inputs, lengths, results)
-    measure("packed flex doc-causal", flex(block_mask), inputs, lengths, results)
+    contenders = [("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens)),
+                  (f"ours {num_docs} separate calls", separate_calls),
+                  ("packed flex doc-causal", flex(block_mask))]
+    measure(contenders, inputs, [doc_len] * num_docs, results, rounds)
+    if profile:
+        profile_kernels(*contenders[0], inputs)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--seqlens", type=int, nargs="*", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--packed", type=int, nargs=2, default=[16, 4096], metavar=("DOCS", "LEN"))
     parser.add_argument("--peers", nargs="*", choices=["flash", "cudnn", "flex"], default=["flash", "cudnn", "flex"])
     parser.add_argument("--no-packed", action="store_true", help="skip the packed-documents case")
+    parser.add_argument("--rounds", type=int, default=5, help="timings of each contender, taken in turn")
+    parser.add_argument("--profile", action="store_true", help="GPU time of each kernel of our fwd+bwd")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
     for seqlen in args.seqlens:
-        bench_causal(seqlen, args.peers, results)
+        bench_causal(seqlen, args.peers, results, args.rounds, args.profile)
         torch.cuda.empty_cache()
     if not args.no_packed:
-        bench_packed(*args.packed, results)
-    print("\n| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
+        bench_packed(*args.packed, results, args.rounds, args.profile)
+    print(f"\n{args.rounds} rounds; each cell the median, ± the spread (max - min) in % of it")
+    print("| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
     for name, row in results:
-        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f}" if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]
+        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%" if row.get(k) else "failed | -"
+                 for k in ("fwd", "fwd+bwd")]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
