@@ -379,20 +379,23 @@ def _tune_on_prefix(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float, 
 
 
 # Checking cu_seqlens reads it back to the host, which waits for the GPU: once per tensor (again after an
-# in-place change), not in every layer's forward. Each layer of a step gets the same tensor.
+# in-place change by torch ops, which bumps its version; not one through .data, numpy or a collective), not
+# in every layer's forward. Each layer of a step gets the same tensor.
 _checked_bounds = WeakIdKeyDictionary()
 
 
 def _checked_document_bounds(cu_seqlens: torch.Tensor, batch: int, seqlen: int,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_document_bounds of a checked cu_seqlens, computed once per tensor and layout."""
-    key = (cu_seqlens._version, batch, seqlen, device)
+    """_document_bounds of a checked cu_seqlens, computed once per tensor and layout (every call for an
+    inference-mode tensor, which has no version to tell a change by)."""
+    stamp = None if cu_seqlens.is_inference() else (cu_seqlens._version, batch, seqlen, device)
     known = _checked_bounds.get(cu_seqlens)
-    if known is not None and known[0] == key:
+    if stamp is not None and known is not None and known[0] == stamp:
         return known[1]
     check_cu_seqlens(cu_seqlens, batch, seqlen)
     bounds = _document_bounds(cu_seqlens.to(device), batch * seqlen)
-    _checked_bounds[cu_seqlens] = (key, bounds)
+    if stamp is not None:
+        _checked_bounds[cu_seqlens] = (stamp, bounds)
     return bounds
 
 

@@ -190,6 +190,23 @@ def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change(monkeyp
 
 
 @interpreted
+def test_inference_mode_cu_seqlens_are_checked_in_every_call(monkeypatch):
+    """An inference-mode tensor has no version counter to tell an in-place change by: never cached."""
+    import kernels.flash_attention as flash
+    checks = []
+    original = flash.check_cu_seqlens
+    monkeypatch.setattr(flash, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
+    q, k, v = _inputs(1, 24, 2, 1, 64, torch.float32)
+    with torch.inference_mode():
+        cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
+        first = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+        cu_seqlens[1] = 5
+        moved = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
+    assert len(checks) == 2 and not torch.equal(moved, first)
+    assert _rel_err(moved, reference.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)) < 1e-5
+
+
+@interpreted
 def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     """Past TUNE_MAX_SEQLEN the tuning key stops growing, and the configs are tuned on a prefix of that
     length (seconds) instead of on the whole sequence (minutes at 524k); documents crossing the prefix
