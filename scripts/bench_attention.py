@@ -20,7 +20,7 @@ TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
 The contenders of a case are timed in turn, round after round (`--rounds`, 5 by default), and each cell is
 the median over the rounds with its spread (max - min, in % of the median): the GPU's clock moves with its
 temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
-`--profile` adds, per case, the GPU time of each kernel of our forward+backward (torch.profiler).
+`--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler).
 """
 from __future__ import annotations
 
@@ -87,12 +87,12 @@ def step_fn(fn, q, k, v, backward: bool):
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
 
-def measure(contenders, inputs, doc_lengths, results, rounds: int):
+def measure(contenders, inputs, doc_lengths, results, rounds: int) -> list:
     """Time every contender's forward and forward+backward once per round, in turn, and report the median
     over the rounds with its spread. contenders: [(name, fn)]; a backend that refuses this shape is reported,
-    not fatal."""
+    not fatal. Returns the contenders whose forward+backward ran."""
     times = {(name, backward): [] for name, _ in contenders for backward in (False, True)}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for name, fn in contenders:
             for backward in (False, True):
                 if times[name, backward] is None:
@@ -103,7 +103,7 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int):
                                                                          return_mode="median"))
                 except Exception as error:
                     times[name, backward] = None
-                    print(f"  {name}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                    print(f"  {name}, round {round_ + 1}: {type(error).__name__}: {str(error)[:200]}", flush=True)
     for name, _ in contenders:
         row = {}
         for backward in (False, True):
@@ -118,6 +118,7 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int):
         cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%" if v else f"{k} failed"
                  for k, v in row.items()]
         print(f"  {name:<28}" + " | ".join(cells), flush=True)
+    return [(name, fn) for name, fn in contenders if times[name, True]]
 
 
 def profile_kernels(name: str, fn, inputs, steps: int = 3) -> None:
@@ -159,10 +160,10 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
                            lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
     contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]
-    measure(contenders, inputs, [seqlen], results, rounds)
+    ran = measure(contenders, inputs, [seqlen], results, rounds)
     print("  tuned:", fa.tuned_configs(), flush=True)
     if profile:
-        for name, fn in contenders:
+        for name, fn in ran:
             profile_kernels(name, fn, inputs)
 
 
@@ -183,9 +184,10 @@ def bench_packed(num_docs: int, doc_len: int, results, rounds: int, profile: boo
     contenders = [("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens)),
                   (f"ours {num_docs} separate calls", separate_calls),
                   ("packed flex doc-causal", flex(block_mask))]
-    measure(contenders, inputs, [doc_len] * num_docs, results, rounds)
+    ran = measure(contenders, inputs, [doc_len] * num_docs, results, rounds)
     if profile:
-        profile_kernels(*contenders[0], inputs)
+        for name, fn in ran:
+            profile_kernels(name, fn, inputs)
 
 
 def main():
@@ -195,8 +197,11 @@ def main():
     parser.add_argument("--peers", nargs="*", choices=["flash", "cudnn", "flex"], default=["flash", "cudnn", "flex"])
     parser.add_argument("--no-packed", action="store_true", help="skip the packed-documents case")
     parser.add_argument("--rounds", type=int, default=5, help="timings of each contender, taken in turn")
-    parser.add_argument("--profile", action="store_true", help="GPU time of each kernel of our fwd+bwd")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU time of each kernel of every contender's fwd+bwd")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
     for seqlen in args.seqlens:
