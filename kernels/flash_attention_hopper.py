@@ -97,6 +97,25 @@ def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constex
 
 
 @gluon.jit
+def ring_barriers(NUM_STAGES: gl.constexpr, FREE_ARRIVALS: gl.constexpr):
+    """The barriers of a load warp feeding compute warps: one for the tiles loaded once, and two rings of
+    NUM_STAGES (ready, free) pairs, a ready barrier completed by TMA, a free one by FREE_ARRIVALS arrivals.
+    Returns (once, first ready, first free, second ready, second free)."""
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    first_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    first_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    second_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    second_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(first_ready.index(i), count=1)
+        mbarrier.init(second_ready.index(i), count=1)
+        mbarrier.init(first_free.index(i), count=FREE_ARRIVALS)
+        mbarrier.init(second_free.index(i), count=FREE_ARRIVALS)
+    return once, first_ready, first_free, second_ready, second_free
+
+
+@gluon.jit
 def _load_partition(smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles):
     """One warp: Q once, then each key tile's K and V into the ring as soon as both row groups freed it."""
     q_smem, k_smem, v_smem = smem
@@ -222,23 +241,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=2)    # one arrival from each row group
-        mbarrier.init(v_free.index(i), count=2)
+    bars = ring_barriers(NUM_STAGES, 2)     # Q once; K and V rings, freed by an arrival from each row group
 
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
                                               KEYS=True)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     smem = (q_smem, k_smem, v_smem)
-    bars = (q_bar, k_ready, k_free, v_ready, v_free)
     # At least one tile: every query row sees a key (itself when causal; its non-empty document). With none
     # the row groups would wait for tile 0 forever.
     n_tiles = head_tiles + mid_tiles + tail_tiles

@@ -4,7 +4,8 @@ The backward of kernels.flash_attention on Hopper for 16-bit inputs unless `dete
 the Triton two-kernel one runs: dK/dV, then dQ, 7 products, no atomics). Per CTA: one KV head and a block of
 128 keys, over every query head of its group and every query tile of 64 rows that sees these keys.
 Partitions (`gl.warp_specialize`, FlashAttention-3's layout for D = 128):
-- a load warp: K and V of the block once, then each step's Q and dO tiles into a two-stage ring;
+- a load warp: K and V of the block once, then each step's Q and dO tiles, with their rows' log-sum-exp
+  and delta, into a two-stage ring;
 - the compute partition, two warp groups (240 registers each), per query tile:
     S = Q Kᵀ, dP = dO Vᵀ                 (each warp group 64 of the 128 keys; queries as rows, so a thread
                                           holds the log-sum-exp and delta of two rows only)
@@ -33,11 +34,14 @@ from triton.experimental.gluon.language._core import builtin
 
 from kernels import _attention_tiles
 from kernels.attention_workspace import one_pass_head_groups
-from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view
+from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view, ring_barriers
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
-NUM_STAGES = 2                     # Q and dO tiles in flight: 196 KiB of shared memory in all at D = 128
+NUM_STAGES = 2                     # Q and dO tiles in flight: 197 KiB of shared memory in all at D = 128
+# TMA reads the statistics' rows from 16-byte aligned addresses: each head's rows, and each tile, start at a
+# multiple of 4 floats (attention_backward pads the heads' rows of other lengths).
+STATS_ALIGN = gl.constexpr(4)
 
 _partner_range = gluon.jit(_attention_tiles.partner_range.fn)
 _tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
@@ -53,11 +57,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, n_start, first_head, lo, n_q_tiles,
-                    GROUP: gl.constexpr):
+def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, stats0, stats_len,
+                    n_start, first_head, lo, n_q_tiles, GROUP: gl.constexpr):
     """One warp: K and V once, then per query head of the group and query tile its Q and dO tiles (one
-    descriptor each over all heads of the batch row: [seqlen, heads * D], a head's tile at column h * D)."""
-    k_smem, v_smem, q_smem, do_smem = smem
+    descriptor each over all heads of the batch row: [seqlen, heads * D], a head's tile at column h * D), each
+    with its rows' log-sum-exp or delta (read from global memory by the compute warps instead, these loads
+    cost 4-8% of the backward's time, docs/BENCHMARKS.md)."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     kv_bar, q_ready, q_free, do_ready, do_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -68,16 +74,21 @@ def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, n_start, first_
     step = 0
     for group_head in range(GROUP):
         column = (first_head + group_head) * HEAD_DIM
+        stats = stats0 + group_head * stats_len
         for tile in range(n_q_tiles):
             stage = step % NUM_STAGES
             free_phase = ((step // NUM_STAGES) & 1) ^ 1
             start = lo + tile * BLOCK_M
             mbarrier.wait(q_free.index(stage), free_phase)
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [start, column], q_ready.index(stage), q_smem.index(stage))
+            tma.async_copy_global_to_shared(lse_desc, [(stats + start).to(gl.int32)], q_ready.index(stage),
+                                            lse_smem.index(stage))
             mbarrier.wait(do_free.index(stage), free_phase)
-            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [start, column], do_ready.index(stage), do_smem.index(stage))
+            tma.async_copy_global_to_shared(delta_desc, [(stats + start).to(gl.int32)], do_ready.index(stage),
+                                            delta_smem.index(stage))
             step += 1
 
 
@@ -90,12 +101,12 @@ def _all_heads_view(base, seqlen, stride_s, heads, BLOCK: gl.constexpr, HEAD_DIM
 
 
 @gluon.jit
-def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, LSE, DELTA, DOC_START, DOC_END, seqlen, stats0,
-                       dq_row0, n_start, lo, head_tiles, mid_end, n_q_tiles, qk_scale_log2, sm_scale,
+def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END, seqlen, dq_row0, n_start, lo,
+                       head_tiles, mid_end, n_q_tiles, qk_scale_log2, sm_scale,
                        GROUP: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
-    """Both warp groups: the steps over (query head of the group, query tile), then dK and dV. stats0 and
-    dq_row0: the group's first head's first row in the [B, Hq, S] statistics and in the accumulator."""
-    k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem = smem
+    """Both warp groups: the steps over (query head of the group, query tile), then dK and dV. dq_row0: the
+    group's first head's first row in the accumulator."""
+    k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, lse_smem, delta_smem = smem
     kv_bar, q_ready, q_free, do_ready, do_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -129,7 +140,6 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, LSE, DELTA, DOC_ST
     mbarrier.wait(kv_bar, 0)
     step = 0
     for group_head in range(GROUP):
-        stats = stats0 + group_head * seqlen
         dq_row = dq_row0 + group_head * seqlen
         for tile in range(n_q_tiles):
             stage = step % NUM_STAGES
@@ -139,12 +149,11 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, LSE, DELTA, DOC_ST
             do_tile = do_smem.index(stage)
             mbarrier.wait(q_ready.index(stage), phase)
             scores = warpgroup_mma(q_tile, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            lse = lse_smem.index(stage).load(query_slice)
             mbarrier.wait(do_ready.index(stage), phase)
             dp = warpgroup_mma(do_tile, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             queries = start + gl.arange(0, BLOCK_M, layout=query_slice)
-            query_ok = queries < seqlen
-            lse = gl.load(LSE + stats + queries, mask=query_ok, other=0.0)
-            delta = gl.load(DELTA + stats + queries, mask=query_ok, other=0.0)
+            delta = delta_smem.index(stage).load(query_slice)
             scores = warpgroup_mma_wait(1, deps=(scores, ))
             if (tile < head_tiles) | (tile >= mid_end):
                 visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],
@@ -187,7 +196,7 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                      stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                     seqlen, q_heads, kv_head0, qk_scale_log2, sm_scale,
+                     seqlen, stats_len, q_heads, kv_head0, qk_scale_log2, sm_scale,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -223,33 +232,36 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=1)
-        mbarrier.init(do_free.index(i), count=1)
+    # The [B, Hq, stats_len] statistics as one row of floats: a tile's rows past its head's end read padding,
+    # the next head's or TMA's zeros past the end, harmless as their scores are masked to P = 0, so dS = 0.
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    stats_rows = gl.num_programs(2) * q_heads * stats_len
+    lse_desc = tma.make_tensor_descriptor(LSE, shape=[stats_rows], strides=[1], block_shape=[BLOCK_M],
+                                          layout=stats_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, shape=[stats_rows], strides=[1], block_shape=[BLOCK_M],
+                                            layout=stats_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
+    bars = ring_barriers(NUM_STAGES, 1)     # K and V once; Q and dO rings (kv_bar, q_ready, q_free, do_ready, do_free)
 
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
                                               KEYS=False)
+    # Query tiles start at an aligned row (its statistics' TMA box): only a non-causal packed row's first tile,
+    # at a document's start, moves back, over rows of the document before, which the mask hides.
+    lo = lo - lo % STATS_ALIGN
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
     n_q_tiles = head_tiles + mid_tiles + tail_tiles
     first_head = kv_head * GROUP
-    stats0 = (batch * q_heads + first_head) * seqlen
+    stats0 = (batch * q_heads + first_head) * stats_len
     dq_row0 = (batch * call_q_heads + call_kv_head * GROUP) * seqlen
-    smem = (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem)
-    bars = (kv_bar, q_ready, q_free, do_ready, do_free)
+    smem = (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, lse_smem, delta_smem)
     gl.warp_specialize([
-        (_compute_partition, (smem, bars, dk_desc, dv_desc, dq_desc, LSE, DELTA, DOC_START, DOC_END, seqlen,
-                              stats0, dq_row0, n_start, lo, head_tiles, head_tiles + mid_tiles, n_q_tiles,
-                              qk_scale_log2, sm_scale, GROUP, CAUSAL, HAS_DOCS)),
-        (_load_partition, ((k_smem, v_smem, q_smem, do_smem), bars, k_desc, v_desc, q_desc, do_desc, n_start,
-                           first_head, lo, n_q_tiles, GROUP)),
+        (_compute_partition, (smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END, seqlen, dq_row0, n_start,
+                              lo, head_tiles, head_tiles + mid_tiles, n_q_tiles, qk_scale_log2, sm_scale, GROUP,
+                              CAUSAL, HAS_DOCS)),
+        (_load_partition, ((k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem), bars, k_desc, v_desc, q_desc,
+                           do_desc, lse_desc, delta_desc, stats0, stats_len, n_start, first_head, lo, n_q_tiles,
+                           GROUP)),
     ], [1], [LOAD_REGISTERS])
 
 
@@ -272,6 +284,7 @@ def attention_backward(do, q, k, v, lse, delta, doc_start, doc_end, causal: bool
         raise ValueError(f"{seqlen} tokens in one row is more than this kernel's {MAX_GRID_Y * BLOCK_N}: split the "
                          "row (sequence parallelism, parallel.sequence) or use fewer tokens")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    lse, delta = _aligned_statistics(lse, delta)
     groups = one_pass_head_groups(batch * seqlen, q_heads, kv_heads, head_dim)
     call_kv_heads = kv_heads // groups
     # One accumulator for every call: a second alive beside it would double the workspace the planner counts.
@@ -281,9 +294,23 @@ def attention_backward(do, q, k, v, lse, delta, doc_start, doc_end, causal: bool
         dq_acc.zero_()
         _attn_bwd_kernel[(call_kv_heads, key_blocks, batch)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, doc_start, doc_end, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seqlen, q_heads,
+            *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seqlen, lse.shape[-1], q_heads,
             first_kv_head, qk_scale_log2, sm_scale,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
             CAUSAL=causal, HAS_DOCS=doc_start is not None, num_warps=8, maxnreg=MAX_REGISTERS)
         dq[:, :, heads].copy_(dq_acc.transpose(1, 2))     # the scale is in already; one pass casts and lays out
     return dq, dk, dv
+
+
+def _aligned_statistics(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lse and delta [B, Hq, S] as they are when S is a multiple of STATS_ALIGN; at other lengths, copies whose
+    heads' rows are padded with zeros to the next multiple (8 bytes per query row and head)."""
+    seqlen = lse.shape[-1]
+    align = STATS_ALIGN.value
+    if seqlen % align == 0:
+        return lse, delta
+    padded = torch.zeros((2, *lse.shape[:-1], triton.cdiv(seqlen, align) * align), device=lse.device,
+                         dtype=torch.float32)
+    padded[0, ..., :seqlen] = lse
+    padded[1, ..., :seqlen] = delta
+    return padded[0], padded[1]

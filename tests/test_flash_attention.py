@@ -378,6 +378,7 @@ def test_gpu_deterministic():
     (1, 4096, 32, 8, 128, True, torch.bfloat16, False, 1),
     (2, 2048, 4, 2, 128, True, torch.bfloat16, True, 1),
     (2, 1000, 8, 4, 128, True, torch.bfloat16, False, 4),      # four calls over groups of KV heads
+    (1, 1001, 4, 2, 128, False, torch.bfloat16, True, 1),      # query tiles from any document start, odd length
 ])
 def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim, causal,
                                                    dtype, packed, groups):
