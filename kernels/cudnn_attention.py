@@ -18,6 +18,10 @@ workspace of about two fp32 copies of dQ (`backward_workspace_bytes`, which the 
 MAX_WORKSPACE_BYTES (131k tokens of 32 heads of 128) the backward runs over groups of KV heads, each with its
 query heads: a KV head's gradients come only from its own query heads, so each group's dQ, dK and dV are
 final, and at 524k tokens the 16 GiB workspace of one call becomes 4 GiB per group.
+
+Rows of packed documents stay on kernels.flash_attention: torch 2.11's cuDNN ops for them
+(`_cudnn_attention_forward/backward` with cum_seq_q) ran the forward 11x slower than ours and returned wrong
+gradients on every pack tried (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
