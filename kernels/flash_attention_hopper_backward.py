@@ -38,7 +38,7 @@ from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_GRID_Y, MAX_REGIS
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
-NUM_STAGES = 2                     # Q and dO tiles in flight: 197 KiB of shared memory in all at D = 128
+NUM_STAGES = 2                     # Q and dO tiles in flight: 193 KiB of shared memory in all at D = 128
 # TMA reads the statistics' rows from 16-byte aligned addresses: each head's rows, and each tile, start at a
 # multiple of 4 floats (attention_backward pads the heads' rows of other lengths).
 STATS_ALIGN = gl.constexpr(4)
@@ -61,8 +61,8 @@ def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, lse_desc, delta
                     n_start, first_head, lo, n_q_tiles, GROUP: gl.constexpr):
     """One warp: K and V once, then per query head of the group and query tile its Q and dO tiles (one
     descriptor each over all heads of the batch row: [seqlen, heads * D], a head's tile at column h * D), each
-    with its rows' log-sum-exp or delta (read from global memory by the compute warps instead, these loads
-    cost 4-8% of the backward's time, docs/BENCHMARKS.md)."""
+    with its rows' log-sum-exp or delta: loaded by the compute warps from global memory, these made the
+    backward 4-9% slower (docs/BENCHMARKS.md)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     kv_bar, q_ready, q_free, do_ready, do_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
@@ -233,7 +233,8 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     # The [B, Hq, stats_len] statistics as one row of floats: a tile's rows past its head's end read padding,
-    # the next head's or TMA's zeros past the end, harmless as their scores are masked to P = 0, so dS = 0.
+    # the next head's (finite: every row sees a key) or TMA's zeros past the end, harmless as their scores are
+    # masked to P = 0, so dS = 0.
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     stats_rows = gl.num_programs(2) * q_heads * stats_len
     lse_desc = tma.make_tensor_descriptor(LSE, shape=[stats_rows], strides=[1], block_shape=[BLOCK_M],
@@ -247,7 +248,8 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
                                               KEYS=False)
     # Query tiles start at an aligned row (its statistics' TMA box): only a non-causal packed row's first tile,
-    # at a document's start, moves back, over rows of the document before, which the mask hides.
+    # at a document's start, moves back (at most 3 rows), over rows of the documents before, which the mask
+    # hides.
     lo = lo - lo % STATS_ALIGN
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)
     n_q_tiles = head_tiles + mid_tiles + tail_tiles

@@ -276,6 +276,21 @@ def test_a_tape_neither_takes_nor_answers_another_threads_calls():
     assert tape.saved == [] and answers == [None, None]
 
 
+def test_one_pass_statistics_are_padded_to_aligned_rows():
+    """The one-pass backward reads each head's lse and delta rows by TMA, from 16-byte aligned addresses: at a
+    length that is not a multiple of 4 floats they are copied with zero-padded rows; otherwise left as they are."""
+    from kernels.flash_attention_hopper_backward import STATS_ALIGN, _aligned_statistics
+    lse, delta = torch.randn(2, 3, 65), torch.randn(2, 3, 65)
+    padded_lse, padded_delta = _aligned_statistics(lse, delta)
+    for padded, original in ((padded_lse, lse), (padded_delta, delta)):
+        assert padded.shape == (2, 3, 68) and padded.is_contiguous()
+        assert torch.equal(padded[..., :65], original) and not padded[..., 65:].any()
+        assert padded.data_ptr() % 16 == 0 and padded.stride(1) % STATS_ALIGN.value == 0
+    aligned_lse, aligned_delta = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    kept = _aligned_statistics(aligned_lse, aligned_delta)
+    assert kept[0] is aligned_lse and kept[1] is aligned_delta
+
+
 @interpreted
 def test_runs_after_kernels_and_model_were_imported():
     """The suite's order: other test modules import kernels and the model (no Triton yet) before this one."""
