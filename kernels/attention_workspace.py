@@ -1,8 +1,8 @@
 """How the attention backwards bound the memory they need beyond their inputs and gradients: they run over
 groups of KV heads, each with its query heads (a KV head's gradients come only from its own query heads, so
 each group's results are final). Free of Triton, as kernels.cudnn_attention (imported by the memory
-planner) must be. The one-pass backward runs only under plans made for cuDNN's backward (kernels.dispatch),
-and only where its accumulator fits the cuDNN workspace they counted (`one_pass_fits_cudnn_plan`): with
+planner) must be. The one-pass backward runs only under plans made for cuDNN's backward, and only where its
+accumulator fits the cuDNN workspace they counted (kernels.dispatch.one_pass_fits_cudnn_plan): with
 4 bytes per query element against cuDNN's 8 under the same cap it does whenever the KV heads are a power
 of two (Llama-3: 8), not always otherwise."""
 from __future__ import annotations
@@ -30,10 +30,3 @@ def one_pass_workspace_bytes(tokens: int, q_heads: int, kv_heads: int, head_dim:
     """One call's accumulator of the one-pass backward."""
     whole = ONE_PASS_BYTES_PER_QUERY_ELEMENT * tokens * q_heads * head_dim
     return whole // one_pass_head_groups(tokens, q_heads, kv_heads, head_dim)
-
-
-def one_pass_fits_cudnn_plan(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> bool:
-    """Whether the one-pass backward's accumulator fits the workspace a cuDNN plan counted for this shape."""
-    from kernels import cudnn_attention     # here: cudnn_attention imports this module
-    return (one_pass_workspace_bytes(tokens, q_heads, kv_heads, head_dim)
-            <= cudnn_attention.backward_workspace_bytes(tokens, q_heads, kv_heads, head_dim, dtype_bytes))

@@ -144,7 +144,7 @@ def _attention_on_this_rank(q, k, v, causal=True, cu_seqlens=None, softmax_scale
             return cudnn.cudnn_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if _backend == "triton" or _triton_attention_runs(_backend, q.device.type, q.shape[-1], q.dtype):
         # The one-pass backward (Hopper, not deterministic) needs an fp32 dQ workspace that only plans made for
-        # cuDNN's backward count, where it fits theirs (kernels.attention_workspace); else the two-kernel one
+        # cuDNN's backward count, where it fits theirs (one_pass_fits_cudnn_plan); else the two-kernel one
         # runs. (A job with deterministic=true is never planned for cuDNN: the first test is a safeguard.)
         deterministic = _deterministic or not (_attention_kernel == "cudnn" and _one_pass_fits(q, k))
         return _triton_op("attention")(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale,
@@ -153,10 +153,16 @@ def _attention_on_this_rank(q, k, v, causal=True, cu_seqlens=None, softmax_scale
 
 
 def _one_pass_fits(q, k) -> bool:
-    from kernels import attention_workspace
     batch, seqlen, q_heads, head_dim = q.shape
-    return attention_workspace.one_pass_fits_cudnn_plan(batch * seqlen, q_heads, k.shape[2], head_dim,
-                                                        q.element_size())
+    return one_pass_fits_cudnn_plan(batch * seqlen, q_heads, k.shape[2], head_dim, q.element_size())
+
+
+def one_pass_fits_cudnn_plan(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> bool:
+    """Whether the one-pass backward's accumulator (kernels.attention_workspace) fits the workspace a cuDNN plan
+    counted for this shape (kernels.cudnn_attention)."""
+    from kernels import attention_workspace, cudnn_attention
+    return (attention_workspace.one_pass_workspace_bytes(tokens, q_heads, kv_heads, head_dim)
+            <= cudnn_attention.backward_workspace_bytes(tokens, q_heads, kv_heads, head_dim, dtype_bytes))
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean"):

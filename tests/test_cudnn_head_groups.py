@@ -83,14 +83,14 @@ def test_a_groups_gradients_are_freed_before_the_next_group_runs(monkeypatch):
 def test_the_one_pass_backward_fits_the_cudnn_workspace_of_llama3(tokens):
     """kernels.dispatch runs flash_attention's one-pass backward only under plans that count cuDNN's workspace
     and where its fp32 dQ accumulator (one call's, over head groups) fits that: always with 8 KV heads."""
-    from kernels import attention_workspace
+    from kernels import attention_workspace, dispatch
     one_pass = attention_workspace.one_pass_workspace_bytes(tokens, 32, 8, 128)
     assert 0 < one_pass <= attention_workspace.ONE_PASS_MAX_BYTES or tokens == 4 * 2**20
-    assert attention_workspace.one_pass_fits_cudnn_plan(tokens, 32, 8, 128, 2)
+    assert dispatch.one_pass_fits_cudnn_plan(tokens, 32, 8, 128, 2)
 
 
 def test_the_one_pass_backward_can_outgrow_the_cudnn_workspace_with_three_kv_heads():
     """3 KV heads: cuDNN's 6 GiB splits in 3 groups of 2, the one-pass 3 GiB stays one call: it does not fit."""
-    from kernels import attention_workspace
+    from kernels import attention_workspace, dispatch
     assert attention_workspace.one_pass_workspace_bytes(524288, 12, 3, 128) == 3 * 2**30
-    assert not attention_workspace.one_pass_fits_cudnn_plan(524288, 12, 3, 128, 2)
+    assert not dispatch.one_pass_fits_cudnn_plan(524288, 12, 3, 128, 2)
