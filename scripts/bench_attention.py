@@ -20,11 +20,13 @@ TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
 The contenders of a case are timed in turn, round after round (`--rounds`, 5 by default), and each cell is
 the median over the rounds with its spread (max - min, in % of the median): the GPU's clock moves with its
 temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
-`--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler).
+`--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler);
+`--clocks`, the mean SM clock and power draw while each cell was timed (nvidia-smi, scripts/gpu_clocks.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -38,7 +40,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import cudnn_attention  # noqa: E402
 from kernels import flash_attention as fa  # noqa: E402
-from scripts import step_profile  # noqa: E402
+from scripts import gpu_clocks, step_profile  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 compiled_flex = torch.compile(flex_attention)
@@ -87,11 +89,13 @@ def step_fn(fn, q, k, v, backward: bool):
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
 
-def measure(contenders, inputs, doc_lengths, results, rounds: int) -> list:
+def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None) -> list:
     """Time every contender's forward and forward+backward once per round, in turn, and report the median
-    over the rounds with its spread. contenders: [(name, fn)]; a backend that refuses this shape is reported,
-    not fatal. Returns the contenders whose forward+backward ran."""
+    over the rounds with its spread (and, with a gpu_clocks.ClockSampler, the clock and power while it was
+    timed). contenders: [(name, fn)]; a backend that refuses this shape is reported, not fatal. Returns the
+    contenders whose forward+backward ran."""
     times = {(name, backward): [] for name, _ in contenders for backward in (False, True)}
+    windows = {key: [] for key in times}
     for round_ in range(rounds):
         for name, fn in contenders:
             for backward in (False, True):
@@ -99,8 +103,10 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int) -> list:
                     continue
                 try:
                     step = step_fn(fn, *inputs, backward)
+                    start = time.monotonic()
                     times[name, backward].append(triton.testing.do_bench(step, warmup=25, rep=100,
                                                                          return_mode="median"))
+                    windows[name, backward].append((start, time.monotonic()))
                 except Exception as error:
                     times[name, backward] = None
                     print(f"  {name}, round {round_ + 1}: {type(error).__name__}: {str(error)[:200]}", flush=True)
@@ -111,14 +117,22 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int) -> list:
             if runs:
                 ms = statistics.median(runs)
                 row["fwd+bwd" if backward else "fwd"] = (ms, causal_flops(doc_lengths, backward) / ms / 1e9,
-                                                         100 * (max(runs) - min(runs)) / ms)
+                                                         100 * (max(runs) - min(runs)) / ms,
+                                                         clocks.during(windows[name, backward]) if clocks else None)
             else:
                 row["fwd+bwd" if backward else "fwd"] = None
         results.append((name, row))
-        cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%" if v else f"{k} failed"
-                 for k, v in row.items()]
+        cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%{_clock_note(v[3], clocks)}" if v
+                 else f"{k} failed" for k, v in row.items()]
         print(f"  {name:<28}" + " | ".join(cells), flush=True)
     return [(name, fn) for name, fn in contenders if times[name, True]]
+
+
+def _clock_note(clock, clocks) -> str:
+    """" @ MHz W" of a cell timed under a sampler; what happened when nothing was sampled; "" without one."""
+    if clocks is None:
+        return ""
+    return f" @ {clock[0]:.0f} MHz {clock[1]:.0f} W" if clock else " @ no clock samples"
 
 
 def profile_kernels(name: str, fn, inputs, steps: int = 3) -> None:
@@ -147,7 +161,7 @@ def first_call_seconds(q, k, v) -> float:
     return time.perf_counter() - start
 
 
-def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool):
+def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool, clocks=None):
     print(f"S={seqlen}", flush=True)
     inputs = make_inputs(seqlen)
     print(f"  first fwd+bwd call (tuning + compiling unless cached): {first_call_seconds(*inputs):.1f} s", flush=True)
@@ -160,14 +174,14 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
                            lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
     contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]
-    ran = measure(contenders, inputs, [seqlen], results, rounds)
+    ran = measure(contenders, inputs, [seqlen], results, rounds, clocks)
     print("  tuned:", fa.tuned_configs(), flush=True)
     if profile:
         for name, fn in ran:
             profile_kernels(name, fn, inputs)
 
 
-def bench_packed(num_docs: int, doc_len: int, results, rounds: int, profile: bool):
+def bench_packed(num_docs: int, doc_len: int, results, rounds: int, profile: bool, clocks=None):
     total = num_docs * doc_len
     print(f"packed: {num_docs} x {doc_len} documents in one {total}-token row", flush=True)
     inputs = make_inputs(total)
@@ -184,7 +198,7 @@ def bench_packed(num_docs: int, doc_len: int, results, rounds: int, profile: boo
     contenders = [("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens)),
                   (f"ours {num_docs} separate calls", separate_calls),
                   ("packed flex doc-causal", flex(block_mask))]
-    ran = measure(contenders, inputs, [doc_len] * num_docs, results, rounds)
+    ran = measure(contenders, inputs, [doc_len] * num_docs, results, rounds, clocks)
     if profile:
         for name, fn in ran:
             profile_kernels(name, fn, inputs)
@@ -199,22 +213,33 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="timings of each contender, taken in turn")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time of each kernel of every contender's fwd+bwd")
+    parser.add_argument("--clocks", action="store_true",
+                        help="the SM clock and power draw while each cell was timed (nvidia-smi)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.clocks and not gpu_clocks.available():
+        parser.error("--clocks needs nvidia-smi on the PATH")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
-    for seqlen in args.seqlens:
-        bench_causal(seqlen, args.peers, results, args.rounds, args.profile)
-        torch.cuda.empty_cache()
-    if not args.no_packed:
-        bench_packed(*args.packed, results, args.rounds, args.profile)
+    sampler = gpu_clocks.ClockSampler(_gpu_id()) if args.clocks else contextlib.nullcontext()
+    with sampler as clocks:
+        for seqlen in args.seqlens:
+            bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks)
+            torch.cuda.empty_cache()
+        if not args.no_packed:
+            bench_packed(*args.packed, results, args.rounds, args.profile, clocks)
     print(f"\n{args.rounds} rounds; each cell the median, ± the spread (max - min) in % of it")
     print("| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
     for name, row in results:
-        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%" if row.get(k) else "failed | -"
-                 for k in ("fwd", "fwd+bwd")]
+        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%{_clock_note(row[k][3], clocks)}"
+                 if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _gpu_id() -> str:
+    """This process's GPU as nvidia-smi names it (its UUID: CUDA_VISIBLE_DEVICES may renumber the GPUs)."""
+    return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
 
 
 if __name__ == "__main__":

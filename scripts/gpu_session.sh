@@ -41,7 +41,7 @@ for step in "$@"; do
   case $step in
     kernel_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     training_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
-    # BENCH_ATTN_ARGS adds options (--profile, --rounds N).
+    # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
     train_64k) bench --seq-len 65536 --steps 3 ;;
