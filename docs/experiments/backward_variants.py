@@ -1,0 +1,126 @@
+"""Time variants of the one-pass Gluon backward (kernels/flash_attention_hopper_backward.py) against it, on
+a Hopper GPU: each variant is the kernel's source with text replaced, written to a temporary module; every
+replacement must match exactly once, so a variant that no longer fits the kernel fails at once. The
+variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed 16 x 4k (B = 1, 32/8
+heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
+
+    python3 docs/experiments/backward_variants.py [VARIANT ...]
+
+The two variants below were measured on 2026-11-25 (docs/BENCHMARKS.md) and not kept; a new idea is one
+more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and cast, not the
+delta kernel)."""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from kernels import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
+
+SOURCE = (ROOT / "kernels" / "flash_attention_hopper_backward.py").read_text()
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SCALE = HEAD_DIM ** -0.5
+CASES = {"8k": [8192], "32k": [32768], "packed 16x4k": [4096] * 16}
+
+# name: [(old, new), ...] applied to SOURCE in order
+VARIANTS = {
+    # the softmax scale folded into P once P is stored for dV: dS carries it, dQ needs no multiply
+    "scale_p": [
+        ("            dp = warpgroup_mma_wait(1, deps=(dp, ))\n",
+         "            p = p * sm_scale\n            dp = warpgroup_mma_wait(1, deps=(dp, ))\n"),
+        ("            dq = dq * sm_scale\n", ""),
+        ("k_smem.store((dk * sm_scale).to(dtype))", "k_smem.store(dk.to(dtype))"),
+    ],
+    # dO's stage freed as soon as dV, its last reader, is done
+    "early_free": [
+        ("            mbarrier.arrive(do_free.index(stage), count=1)\n", ""),
+        ("            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n",
+         "            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n"
+         "            mbarrier.arrive(do_free.index(stage), count=1)\n"),
+    ],
+}
+
+
+def variant_source(name: str) -> str:
+    text = SOURCE
+    for old, new in VARIANTS[name]:
+        if text.count(old) != 1:
+            raise SystemExit(f"variant {name}: {old.strip()!r} is not in the kernel exactly once")
+        text = text.replace(old, new)
+    return text
+
+
+def load(name: str, text: str, folder: Path):
+    path = folder / f"backward_{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"backward_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def inputs(lengths: list[int]):
+    """q, k, v, dO, the forward's base-2 lse, delta and the document bounds of one packed row."""
+    total = sum(lengths)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda heads: torch.randn(1, total, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                     generator=generator)
+    q, do, k, v = make(Q_HEADS), make(Q_HEADS), make(KV_HEADS), make(KV_HEADS)
+    bounds = (None, None)
+    if len(lengths) > 1:
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        bounds = fa._document_bounds(cu_seqlens, total)
+    out, lse = fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
+    delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    return do, q, k, v, lse, delta, *bounds
+
+
+def backward_flops(lengths: list[int]) -> float:
+    return 2.5 * sum(2.0 * n * n * HEAD_DIM * Q_HEADS for n in lengths)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_case(label: str, lengths: list[int], modules: dict, rounds: int, reps: int) -> None:
+    args = inputs(lengths)
+    call = lambda module: module.attention_backward(*args, True, SCALE, SCALE * fa.LOG2E)
+    base = call(modules["kernel"])
+    for name, module in modules.items():
+        if name != "kernel":
+            print(f"{label} {name}: rel diff dq dk dv", [f"{rel_diff(a, b):.1e}" for a, b in zip(call(module), base)])
+    times = {name: [] for name in modules}
+    for _ in range(rounds):
+        for name, module in modules.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                call(module)
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    for name, runs in times.items():
+        ms = statistics.median(runs)
+        print(f"{label:14s} {name:12s} {ms:8.3f} ms {backward_flops(lengths) / ms / 1e9:5.0f} TFLOP/s"
+              f"  spread {100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(VARIANTS)
+    fa.ensure_allocator(torch.device("cuda"))
+    with tempfile.TemporaryDirectory() as folder:
+        modules = {"kernel": load("kernel", SOURCE, Path(folder))}
+        modules.update({name: load(name, variant_source(name), Path(folder)) for name in names})
+        for label, lengths in CASES.items():
+            run_case(label, lengths, modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20)
+
+
+if __name__ == "__main__":
+    main()
