@@ -34,6 +34,18 @@ def partner_range(DOC_START, DOC_END, start, seqlen, BLOCK: tl.constexpr, CAUSAL
 
 
 @triton.jit
+def token_documents(DOC_START, DOC_END, tokens, valid, HAS_DOCS: tl.constexpr):
+    """Each token's document bounds [start, end) (0 where not `valid`); without documents, the tokens
+    themselves: placeholders that visible_pairs ignores."""
+    doc_lo = tokens
+    doc_hi = tokens
+    if HAS_DOCS:
+        doc_lo = tl.load(DOC_START + tokens, mask=valid, other=0)
+        doc_hi = tl.load(DOC_END + tokens, mask=valid, other=0)
+    return doc_lo, doc_hi
+
+
+@triton.jit
 def tile_runs(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     """Split tiles of BLOCK starting at lo into a masked head run, an unmasked run inside
     [full_lo, full_hi) and a masked tail run up to hi; returns the three tile counts."""

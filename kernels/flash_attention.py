@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels import attention_tape, flash_attention_hopper, flash_attention_hopper_backward, tuning_cache
-from kernels._attention_tiles import online_softmax, partner_range, tile_runs, visible_pairs
+from kernels._attention_tiles import online_softmax, partner_range, tile_runs, token_documents, visible_pairs
 from conf.schema.job import triton_interpreting
 from kernels.reference import check_cu_seqlens
 
@@ -53,17 +53,6 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS: tl.constexpr):
-    """Each query row's document bounds [start, end); without documents, placeholders visible_pairs ignores."""
-    doc_lo = offs_m
-    doc_hi = offs_m
-    if HAS_DOCS:
-        doc_lo = tl.load(DOC_START + offs_m, mask=row_ok, other=0)
-        doc_hi = tl.load(DOC_END + offs_m, mask=row_ok, other=0)
-    return doc_lo, doc_hi
-
 
 @triton.jit
 def _head_desc(base, seqlen, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -112,7 +101,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
-    row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
+    row_doc_lo, row_doc_hi = token_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     lo, full_lo, full_hi, hi = partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
                                              KEYS=True)
     head_tiles, mid_tiles, tail_tiles = tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
@@ -196,7 +185,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, DOC_START, DOC_END,
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
-    row_doc_lo, row_doc_hi = _row_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
+    row_doc_lo, row_doc_hi = token_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     row_stats = (batch * tl.num_programs(1) + head) * seqlen + offs_m
     lse = tl.load(LSE + row_stats, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
@@ -260,12 +249,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
 
     offs_n = n_start + tl.arange(0, BLOCK_N)
     key_ok = offs_n < seqlen
-    if HAS_DOCS:
-        key_doc_lo = tl.load(DOC_START + offs_n, mask=key_ok, other=0)
-        key_doc_hi = tl.load(DOC_END + offs_n, mask=key_ok, other=0)
-    else:
-        key_doc_lo = offs_n
-        key_doc_hi = offs_n
+    key_doc_lo, key_doc_hi = token_documents(DOC_START, DOC_END, offs_n, key_ok, HAS_DOCS)
     lo, full_lo, full_hi, hi = partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
                                              KEYS=False)
     head_tiles, mid_tiles, tail_tiles = tile_runs(lo, full_lo, full_hi, hi, BLOCK_M)

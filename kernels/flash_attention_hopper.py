@@ -51,6 +51,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _partner_range = gluon.jit(_attention_tiles.partner_range.fn)
 _tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
 _visible_pairs = gluon.jit(_attention_tiles.visible_pairs.fn)
+_token_documents = gluon.jit(_attention_tiles.token_documents.fn)
 _online_softmax = gluon.jit(_attention_tiles.online_softmax.fn)
 
 
@@ -158,11 +159,7 @@ def _rows_partition(smem, bars, o_desc, tiles, LSE_ROWS, DOC_START, DOC_END, seq
     row0 = m_start + GROUP_INDEX * ROWS
     offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
     row_ok = offs_m < seqlen
-    row_doc_lo = offs_m
-    row_doc_hi = offs_m
-    if HAS_DOCS:
-        row_doc_lo = gl.load(DOC_START + offs_m, mask=row_ok, other=0)
-        row_doc_hi = gl.load(DOC_END + offs_m, mask=row_ok, other=0)
+    row_doc_lo, row_doc_hi = _token_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)

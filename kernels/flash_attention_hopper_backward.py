@@ -32,9 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
-from kernels import _attention_tiles
 from kernels.attention_workspace import one_pass_head_groups
-from kernels.flash_attention_hopper import LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view, ring_barriers
+from kernels.flash_attention_hopper import (LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view, _partner_range,
+                                           _tile_runs, _token_documents, _visible_pairs, ring_barriers)
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
@@ -42,10 +42,6 @@ NUM_STAGES = 2                     # Q and dO tiles in flight: 193 KiB of shared
 # TMA reads the statistics' rows from 16-byte aligned addresses: each head's rows, and each tile, start at a
 # multiple of 4 floats (attention_backward pads the heads' rows of other lengths).
 STATS_ALIGN = gl.constexpr(4)
-
-_partner_range = gluon.jit(_attention_tiles.partner_range.fn)
-_tile_runs = gluon.jit(_attention_tiles.tile_runs.fn)
-_visible_pairs = gluon.jit(_attention_tiles.visible_pairs.fn)
 
 
 @builtin
@@ -127,11 +123,7 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
 
     keys = n_start + gl.arange(0, BLOCK_N, layout=key_slice)
     key_ok = keys < seqlen
-    key_doc_lo = keys
-    key_doc_hi = keys
-    if HAS_DOCS:
-        key_doc_lo = gl.load(DOC_START + keys, mask=key_ok, other=0)
-        key_doc_hi = gl.load(DOC_END + keys, mask=key_ok, other=0)
+    key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, key_ok, HAS_DOCS)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
