@@ -158,7 +158,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_desc, v_desc, n_start, n_tiles, offs_m, r
         if MASKED:
             offs_n = start + tl.arange(0, BLOCK_N)
             visible = visible_pairs(offs_m[:, None], offs_n[None, :], row_doc_lo[:, None], row_doc_hi[:, None],
-                               offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
+                                    offs_n[None, :], seqlen, CAUSAL, HAS_DOCS)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -221,7 +221,7 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, LSE_ROW, DELTA_ROW, m_start, m_ti
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale_log2 - lse[None, :])
         if MASKED:
             visible = visible_pairs(offs_m[None, :], offs_n[:, None], key_doc_lo[:, None], key_doc_hi[:, None],
-                               offs_m[None, :], seqlen, CAUSAL, HAS_DOCS)
+                                    offs_m[None, :], seqlen, CAUSAL, HAS_DOCS)
             p_t = tl.where(visible, p_t, 0.0)
         do = do_desc.load([start, 0])
         dv = tl.dot(p_t.to(do.dtype), do, dv)
