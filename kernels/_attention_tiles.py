@@ -30,6 +30,11 @@ def partner_range(DOC_START, DOC_END, start, seqlen, BLOCK: tl.constexpr, CAUSAL
         else:     # a key is seen by the queries from itself on
             lo = tl.maximum(lo, start)
             full_lo = tl.maximum(full_lo, last)
+    if not KEYS:
+        # A key block crossing the sequence's end holds TMA's zero rows past it: unmasked, their scores 0 give
+        # P = exp2(-lse), which overflows where every visible logit is very negative, and dQ = dS K gets inf * 0.
+        # Every query tile of such a block is masked.
+        full_lo = tl.where(start + BLOCK > seqlen, hi, full_lo)
     return lo, full_lo, full_hi, hi
 
 

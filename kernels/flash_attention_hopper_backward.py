@@ -122,8 +122,6 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
     key_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     keys = n_start + gl.arange(0, BLOCK_N, layout=key_slice)
-    key_ok = keys < seqlen
-    key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, key_ok, HAS_DOCS)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -148,6 +146,9 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
             delta = delta_smem.index(stage).load(query_slice)
             scores = warpgroup_mma_wait(1, deps=(scores, ))
             if (tile < head_tiles) | (tile >= mid_end):
+                # Read here (L1 hits), not held through every step: in registers, the keys' document bounds
+                # made packed rows' backward 7% slower (docs/BENCHMARKS.md).
+                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, HAS_DOCS)
                 visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],
                                          key_doc_hi[None, :], queries[:, None], seqlen, CAUSAL, HAS_DOCS)
                 scores = gl.where(visible, scores, float("-inf"))

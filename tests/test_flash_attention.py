@@ -400,18 +400,42 @@ def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q
     """The one-pass Gluon backward (the default on Hopper) against the fp32 reference, no worse than the Triton
     two-kernel one (deterministic=True), over gradients' buffers poisoned with NaN; with a workspace cap that
     splits it over groups of KV heads too."""
-    from kernels import attention_workspace, flash_attention_hopper_backward
+    from kernels import attention_workspace
     if groups > 1:
         whole = 4 * batch * seqlen * q_heads * head_dim
         monkeypatch.setattr(attention_workspace, "ONE_PASS_MAX_BYTES", whole // groups)
         assert attention_workspace.one_pass_head_groups(batch * seqlen, q_heads, kv_heads, head_dim) == groups
+    torch.manual_seed(seqlen)
+    q, k, v = _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, "cuda")
+    cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(3)).cuda() if packed else None
+    _check_one_pass_backward(monkeypatch, q, k, v, causal, cu_seqlens)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon backward is Hopper's")
+@pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 300, 1000]])
+def test_gpu_one_pass_backward_where_every_logit_is_very_negative(monkeypatch, cu_seqlens):
+    """Non-causal rows whose every logit is about -120 (log-sum-exp below -88: exp(-lse) overflows fp32) over
+    1,000 tokens, so the last key block crosses the end: the keys past it must be masked in every query tile,
+    or their zero scores give P = inf there and dQ = dS K gets inf * 0 = NaN."""
+    torch.manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(128, device="cuda"), dim=0)
+    q, k, v = (t.detach() for t in _inputs(1, 1000, 4, 2, 128, torch.bfloat16, "cuda"))
+    # q.k / sqrt(128) = -37 * 37 / 11.3 = -121, give or take the noise's ~4
+    q = (q + 37 * direction).bfloat16().requires_grad_()
+    k = (k - 37 * direction).bfloat16().requires_grad_()
+    v.requires_grad_()
+    cu_seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens, device="cuda", dtype=torch.int32)
+    _check_one_pass_backward(monkeypatch, q, k, v, False, cu_seqlens)
+
+
+def _check_one_pass_backward(monkeypatch, q, k, v, causal, cu_seqlens):
+    from kernels import flash_attention_hopper_backward
     calls = []
     original = flash_attention_hopper_backward.attention_backward
     monkeypatch.setattr(flash_attention_hopper_backward, "attention_backward",
                         lambda *args: calls.append(1) or original(*args))
-    torch.manual_seed(seqlen)
-    q, k, v = _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, "cuda")
-    cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(3)).cuda() if packed else None
     grad_out = torch.randn_like(q)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = reference.attention(q32, k32, v32, causal=causal, cu_seqlens=cu_seqlens)

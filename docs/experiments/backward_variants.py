@@ -4,13 +4,14 @@ replacement must match exactly once, so a variant that no longer fits the kernel
 variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed 16 x 4k (B = 1, 32/8
 heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
 
-    python3 docs/experiments/backward_variants.py [VARIANT ...]
+    python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...]
 
-The two variants below were measured on 2026-11-25 (docs/BENCHMARKS.md) and not kept; a new idea is one
-more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and cast, not the
+The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md); a new idea is one more entry in
+VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and cast, not the
 delta kernel)."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 import sys
@@ -26,7 +27,10 @@ from kernels import flash_attention as fa, flash_attention_hopper as fh  # noqa:
 SOURCE = (ROOT / "kernels" / "flash_attention_hopper_backward.py").read_text()
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SCALE = HEAD_DIM ** -0.5
-CASES = {"8k": [8192], "32k": [32768], "packed 16x4k": [4096] * 16}
+# label: (batch rows, the documents' lengths in each row, document bounds given even for one document per row)
+CASES = {"8k": (1, [8192], False), "32k": (1, [32768], False), "packed-16x4k": (1, [4096] * 16, True),
+         # the packed case's work as a batch, without and with document bounds: what packing itself costs
+         "batch-16x4k": (16, [4096], False), "batch-16x4k-bounds": (16, [4096], True)}
 
 # name: [(old, new), ...] applied to SOURCE in order
 VARIANTS = {
@@ -43,6 +47,39 @@ VARIANTS = {
         ("            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n",
          "            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n"
          "            mbarrier.arrive(do_free.index(stage), count=1)\n"),
+    ],
+    # dQ accumulated token-major, [B, S, heads, D] as q is: the rows that the CTAs running together add to
+    # (one document's, of every head) lie together, and the final cast is a plain copy
+    "token_major_dq": [
+        ("dq_row = dq_row0 + group_head * seqlen\n",
+         "dq_row = dq_row0[0]\n        dq_col = (dq_row0[1] + group_head) * HEAD_DIM\n"),
+        ("_tma_reduce_add(dq_desc, [(dq_row + start).to(gl.int32), 0], dq_smem)",
+         "_tma_reduce_add(dq_desc, [(dq_row + start).to(gl.int32), dq_col.to(gl.int32)], dq_smem)"),
+        ("shape=[gl.num_programs(2) * call_q_heads * seqlen, HEAD_DIM],\n"
+         "                                         strides=[HEAD_DIM, 1],",
+         "shape=[gl.num_programs(2) * seqlen, call_q_heads * HEAD_DIM],\n"
+         "                                         strides=[call_q_heads * HEAD_DIM, 1],"),
+        ("dq_row0 = (batch * call_q_heads + call_kv_head * GROUP) * seqlen",
+         "dq_row0 = (batch * seqlen, call_kv_head * GROUP)"),
+        ("torch.empty((batch, call_kv_heads * group, seqlen, head_dim)",
+         "torch.empty((batch, seqlen, call_kv_heads * group, head_dim)"),
+        ("dq[:, :, heads].copy_(dq_acc.transpose(1, 2))", "dq[:, :, heads].copy_(dq_acc)"),
+    ],
+    # the masked tiles' document test on the queries' bounds (2 rows a thread) instead of the keys' (16
+    # columns), read for every step under a mask that is false outside the masked tiles, before S is waited for
+    "query_docs": [
+        ("            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
+         "            if (tile < head_tiles) | (tile >= mid_end):\n",
+         "            masked = (tile < head_tiles) | (tile >= mid_end)\n"
+         "            query_doc_lo, query_doc_hi = _token_documents(DOC_START, DOC_END, queries, (queries < seqlen) & masked,\n"
+         "                                                          HAS_DOCS)\n"
+         "            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
+         "            if masked:\n"),
+        ("                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, HAS_DOCS)\n"
+         "                visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],\n"
+         "                                         key_doc_hi[None, :], queries[:, None], seqlen, CAUSAL, HAS_DOCS)\n",
+         "                visible = _visible_pairs(queries[:, None], keys[None, :], query_doc_lo[:, None],\n"
+         "                                         query_doc_hi[:, None], keys[None, :], seqlen, CAUSAL, HAS_DOCS)\n"),
     ],
 }
 
@@ -65,15 +102,15 @@ def load(name: str, text: str, folder: Path):
     return module
 
 
-def inputs(lengths: list[int]):
-    """q, k, v, dO, the forward's base-2 lse, delta and the document bounds of one packed row."""
+def inputs(rows: int, lengths: list[int], with_bounds: bool):
+    """q, k, v, dO, the forward's base-2 lse, delta and the document bounds of rows packed alike."""
     total = sum(lengths)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    make = lambda heads: torch.randn(1, total, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+    make = lambda heads: torch.randn(rows, total, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                      generator=generator)
     q, do, k, v = make(Q_HEADS), make(Q_HEADS), make(KV_HEADS), make(KV_HEADS)
     bounds = (None, None)
-    if len(lengths) > 1:
+    if with_bounds:
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         bounds = fa._document_bounds(cu_seqlens, total)
     out, lse = fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
@@ -81,16 +118,16 @@ def inputs(lengths: list[int]):
     return do, q, k, v, lse, delta, *bounds
 
 
-def backward_flops(lengths: list[int]) -> float:
-    return 2.5 * sum(2.0 * n * n * HEAD_DIM * Q_HEADS for n in lengths)
+def backward_flops(rows: int, lengths: list[int]) -> float:
+    return 2.5 * rows * sum(2.0 * n * n * HEAD_DIM * Q_HEADS for n in lengths)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_case(label: str, lengths: list[int], modules: dict, rounds: int, reps: int) -> None:
-    args = inputs(lengths)
+def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int) -> None:
+    args = inputs(*case)
     call = lambda module: module.attention_backward(*args, True, SCALE, SCALE * fa.LOG2E)
     base = call(modules["kernel"])
     for name, module in modules.items():
@@ -108,18 +145,24 @@ def run_case(label: str, lengths: list[int], modules: dict, rounds: int, reps: i
             times[name].append(start.elapsed_time(end) / reps)
     for name, runs in times.items():
         ms = statistics.median(runs)
-        print(f"{label:14s} {name:12s} {ms:8.3f} ms {backward_flops(lengths) / ms / 1e9:5.0f} TFLOP/s"
+        print(f"{label:20s} {name:14s} {ms:8.3f} ms {backward_flops(*case[:2]) / ms / 1e9:5.0f} TFLOP/s"
               f"  spread {100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(VARIANTS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)}; all of them if none")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    args = parser.parse_args()
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"no variant {sorted(unknown)}; there are {list(VARIANTS)}")
     fa.ensure_allocator(torch.device("cuda"))
     with tempfile.TemporaryDirectory() as folder:
         modules = {"kernel": load("kernel", SOURCE, Path(folder))}
-        modules.update({name: load(name, variant_source(name), Path(folder)) for name in names})
-        for label, lengths in CASES.items():
-            run_case(label, lengths, modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20)
+        modules.update({name: load(name, variant_source(name), Path(folder)) for name in args.variants or VARIANTS})
+        for label in args.cases:
+            run_case(label, CASES[label], modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20)
 
 
 if __name__ == "__main__":
