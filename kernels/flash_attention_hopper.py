@@ -1,7 +1,7 @@
 """Flash attention forward for Hopper (sm_90) in Gluon, warp-specialized as FlashAttention-3 is.
 
 The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
-read through their strides, optional per-token document bounds (packed documents folded into one row),
+read through their strides (a token's heads within its row: `reads_as_rows`), optional per-token document bounds (packed documents folded into one row),
 causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
 fp32) that the backwards (Triton's, the one-pass Gluon one, cuDNN's through kernels.cudnn_attention) and
 the attention tape take.
@@ -10,9 +10,12 @@ Only the forward is here.
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
 (the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md).
-Here a CTA takes 128 query rows with three partitions (`gl.warp_specialize`):
-- a load warp (24 registers) moves Q once and then each key tile's K and V by TMA into a two-stage ring,
-  refilling a stage when both row groups have signalled (mbarriers) that they are done with it;
+Here a work item is 128 query rows of one head; a persistent CTA per SM takes items in turn, with three
+partitions (`gl.warp_specialize`):
+- a load warp (24 registers) moves an item's Q and then each key tile's K and V by TMA into a two-stage
+  ring, refilling a stage when both row groups have signalled (mbarriers) that they are done with it, and
+  runs into the next item while the row groups end the last (a CTA per item, the next one waiting for the
+  last to end, was 13% slower on 16 x 4k packed documents, 4% at 8k, the same from 32k);
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   are not in lockstep, so one group's softmax also overlaps the other's products.
@@ -22,6 +25,7 @@ the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,7 +47,7 @@ MAX_REGISTERS = 168
 ROWS_REGISTERS = gl.constexpr(240)
 LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
-MAX_GRID_Y = 65535                     # CUDA's limit on a grid's second axis (query blocks here)
+MAX_GRID_Y = 65535                     # CUDA's limit on a grid's second axis (the backward's key blocks)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -56,9 +60,9 @@ _online_softmax = gluon.jit(_attention_tiles.online_softmax.fn)
 
 
 @gluon.jit
-def _load_tile(desc, start, bar, dest):
+def _load_tile(desc, row, column, bar, dest):
     mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [start, 0], bar, dest)
+    tma.async_copy_global_to_shared(desc, [row, column], bar, dest)
 
 
 @gluon.jit
@@ -117,35 +121,78 @@ def ring_barriers(NUM_STAGES: gl.constexpr, FREE_ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles):
-    """One warp: Q once, then each key tile's K and V into the ring as soon as both row groups freed it."""
-    q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, k_free, v_ready, v_free = bars
-    NUM_STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    _load_tile(q_desc, m_start, q_bar, q_smem)
-    for tile in range(n_tiles):
-        stage = tile % NUM_STAGES
-        free_phase = ((tile // NUM_STAGES) & 1) ^ 1     # a new mbarrier counts as having completed phase 1
-        start = lo + tile * BLOCK_N
-        mbarrier.wait(k_free.index(stage), free_phase)
-        _load_tile(k_desc, start, k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_free.index(stage), free_phase)
-        _load_tile(v_desc, start, v_ready.index(stage), v_smem.index(stage))
+def _work_item(item, n_blocks, q_heads, BLOCK_M: gl.constexpr):
+    """The item-th (query head, first query row, batch row) in launch order: heads fastest, then a causal
+    row's latest blocks, which do the most work, first: the CTAs take the heaviest items first and the
+    last round is short (block order within each head in turn left the GPU 5% idle at the end at 8k tokens
+    in a list-scheduling model)."""
+    head = item % q_heads
+    rest = item // q_heads
+    m_start = (n_blocks - 1 - rest % n_blocks) * BLOCK_M
+    return head, m_start, rest // n_blocks
 
 
 @gluon.jit
-def _rows_partition(smem, bars, o_desc, tiles, LSE_ROWS, DOC_START, DOC_END, seqlen, qk_scale_log2,
-                    GROUP_INDEX: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
-    """One warp group: the block's rows [GROUP_INDEX * 64, +64) over every key tile, then their output
-    (through their own Q tile and TMA) and log-sum-exp."""
+def _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """The key tiles of the query block from m_start: the first one's start, where the masked head run ends
+    and the masked tail run begins, and their count (at least one: every query row sees a key, itself when
+    causal, its non-empty document)."""
+    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
+                                              KEYS=True)
+    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+    return lo, head_tiles, head_tiles + mid_tiles, head_tiles + mid_tiles + tail_tiles
+
+
+@gluon.jit
+def _load_partition(smem, bars, descs, schedule, stride_qh, stride_kh, GROUP: gl.constexpr,
+                    CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """One warp, for each work item of this CTA: Q once it is free, then each key tile's K and V into the
+    ring as soon as both row groups freed it. It runs ahead into the next item while the row groups finish
+    the last one."""
     q_smem, k_smem, v_smem = smem
-    q_bar, k_ready, k_free, v_ready, v_free = bars
-    m_start, lo, head_tiles, mid_end, n_tiles = tiles
+    q_ready, q_free, k_ready, k_free, v_ready, v_free = bars
+    q_desc, k_desc, v_desc = descs
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
+    NUM_STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    tiles_before = 0
+    items_before = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        head, m_start, batch = _work_item(item, n_blocks, q_heads, BLOCK_M)
+        lo, head_tiles, mid_end, n_tiles = _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
+                                                      CAUSAL, HAS_DOCS)
+        row0 = batch * seqlen       # the batch row's first row in the [B * S, columns] views
+        mbarrier.wait(q_free, (items_before & 1) ^ 1)     # a new mbarrier counts as having completed phase 1
+        _load_tile(q_desc, (row0 + m_start).to(gl.int32), head * stride_qh, q_ready, q_smem)
+        kv_column = (head // GROUP) * stride_kh
+        for tile in range(n_tiles):
+            count = tiles_before + tile
+            stage = count % NUM_STAGES
+            free_phase = ((count // NUM_STAGES) & 1) ^ 1
+            row = (row0 + lo + tile * BLOCK_N).to(gl.int32)
+            mbarrier.wait(k_free.index(stage), free_phase)
+            _load_tile(k_desc, row, kv_column, k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_free.index(stage), free_phase)
+            _load_tile(v_desc, row, kv_column, v_ready.index(stage), v_smem.index(stage))
+        tiles_before += n_tiles
+        items_before += 1
+
+
+@gluon.jit
+def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2,
+                    GROUP_INDEX: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """One warp group, for each work item of this CTA: the block's rows [GROUP_INDEX * 64, +64) over every
+    key tile, then their output and log-sum-exp."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, q_free, k_ready, k_free, v_ready, v_free = bars
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
-    ROWS: gl.constexpr = o_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = GROUP_ROWS
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -154,130 +201,149 @@ def _rows_partition(smem, bars, o_desc, tiles, LSE_ROWS, DOC_START, DOC_END, seq
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_rows = q_smem.slice(GROUP_INDEX * ROWS, ROWS)
-    row0 = m_start + GROUP_INDEX * ROWS
-    offs_m = row0 + gl.arange(0, ROWS, layout=row_s)
-    row_ok = offs_m < seqlen
-    row_doc_lo, row_doc_hi = _token_documents(DOC_START, DOC_END, offs_m, row_ok, HAS_DOCS)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    q_rows = q_smem.slice(GROUP_INDEX * ROWS, ROWS)
 
-    # Tile 0: its scores and probabilities alone.
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    scores = warpgroup_mma_wait(0, deps=(scores, ))
-    mbarrier.arrive(k_free.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
-                                      row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N, CAUSAL,
-                                      HAS_DOCS)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for tile in range(1, n_tiles):
-        stage = tile % NUM_STAGES
-        prev = (tile - 1) % NUM_STAGES
-        start = lo + tile * BLOCK_N
-        # S(tile) and then O += P(tile-1) V(tile-1): wgmma groups complete in order, so waiting until one
-        # is left outstanding waits for the scores only, and the softmax below overlaps the P.V product.
-        mbarrier.wait(k_ready.index(stage), (tile // NUM_STAGES) & 1)
-        scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((tile - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        scores = warpgroup_mma_wait(1, deps=(scores, ))
+    tiles_before = 0
+    items_before = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        head, m_start, batch = _work_item(item, n_blocks, q_heads, BLOCK_M)
+        lo, head_tiles, mid_end, n_tiles = _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
+                                                      CAUSAL, HAS_DOCS)
+        offs_m = m_start + GROUP_INDEX * ROWS + gl.arange(0, ROWS, layout=row_s)
+        row_doc_lo, row_doc_hi = _token_documents(DOC_START, DOC_END, offs_m, offs_m < seqlen, HAS_DOCS)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([ROWS], gl.float32, row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+        # Tile 0: its scores and probabilities alone.
+        stage = tiles_before % NUM_STAGES
+        mbarrier.wait(q_ready, items_before & 1)
+        mbarrier.wait(k_ready.index(stage), (tiles_before // NUM_STAGES) & 1)
+        scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(0, deps=(scores, ))
         mbarrier.arrive(k_free.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_step(scores, start, _is_masked(tile, head_tiles, mid_end), m_i, l_i, offs_m,
-                                          row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N,
-                                          CAUSAL, HAS_DOCS)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_free.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p, alpha, m_i, l_i = _softmax_step(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
+                                          row_doc_lo, row_doc_hi, seqlen, qk_scale_log2, s_layout, BLOCK_N, CAUSAL,
+                                          HAS_DOCS)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    last = (n_tiles - 1) % NUM_STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+        for tile in range(1, n_tiles):
+            count = tiles_before + tile
+            stage = count % NUM_STAGES
+            prev = (count - 1) % NUM_STAGES
+            # S(tile) and then O += P(tile-1) V(tile-1): wgmma groups complete in order, so waiting until one
+            # is left outstanding waits for the scores only, and the softmax below overlaps the P.V product.
+            mbarrier.wait(k_ready.index(stage), (count // NUM_STAGES) & 1)
+            scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((count - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            scores = warpgroup_mma_wait(1, deps=(scores, ))
+            mbarrier.arrive(k_free.index(stage), count=1)
+            p, alpha, m_i, l_i = _softmax_step(scores, lo + tile * BLOCK_N, _is_masked(tile, head_tiles, mid_end),
+                                              m_i, l_i, offs_m, row_doc_lo, row_doc_hi, seqlen, qk_scale_log2,
+                                              s_layout, BLOCK_N, CAUSAL, HAS_DOCS)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_free.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # Every product with Q is done: the load warp may bring the next item's.
+        mbarrier.arrive(q_free, count=1)
+        last = tiles_before + n_tiles - 1
+        mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_free.index(last % NUM_STAGES), count=1)
 
-    # Every valid row sees at least itself, so l_i > 0 there; TMA does not store rows past the end.
-    l_i = gl.where(row_ok, l_i, 1.0)
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q_rows.store(out.to(dtype))     # these Q rows are read by no one any more: they carry the output
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0, 0], q_rows)
-    gl.store(LSE_ROWS + offs_m, m_i + gl.log2(l_i), mask=row_ok)
-    tma.store_wait(0)
+        # Every valid row sees at least itself, so l_i > 0 there. Stored from registers, rows past the end
+        # left out: a TMA store of the block would write them into the next batch row.
+        row_ok = offs_m < seqlen
+        l_i = gl.where(row_ok, l_i, 1.0)
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        rows = gl.convert_layout(offs_m, row_o)
+        out_ptrs = (OUT + batch.to(gl.int64) * stride_ob + head * stride_oh + rows.to(gl.int64)[:, None] * stride_os
+                    + columns[None, :])
+        gl.store(out_ptrs, out.to(dtype), mask=(rows < seqlen)[:, None])
+        gl.store(LSE + (batch * q_heads + head) * seqlen + offs_m, m_i + gl.log2(l_i), mask=row_ok)
+        tiles_before += n_tiles
+        items_before += 1
+
+
+@gluon.jit
+def _rows_view(base, rows, row_stride, heads, head_stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+               layout: gl.constexpr):
+    """Every batch row and head of q, k or v as one [rows, columns] view: a head's tile of BLOCK tokens is
+    the box at (token's row, head * head_stride). Batch rows must follow one another at the token stride."""
+    return tma.make_tensor_descriptor(base, shape=[rows, (heads - 1) * head_stride + HEAD_DIM],
+                                      strides=[row_stride, 1], block_shape=[BLOCK, HEAD_DIM], layout=layout)
 
 
 @gluon.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
-                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                     seqlen, qk_scale_log2,
+                     stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                     batch_rows, seqlen, q_heads, kv_heads, qk_scale_log2,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """Persistent: each CTA takes the work items (query head, block of 128 query rows, batch row) program_id,
+    + num_programs, ...; its load warp brings the next item's Q and first key tiles while the row groups
+    finish the last one's, which hides the start and end of an item (at 16 x 4k packed documents a CTA of
+    one item each spent about 4 key tiles' time outside its tiles: a fit of 8k, 32k and packed timings)."""
     BLOCK_M: gl.constexpr = 2 * GROUP_ROWS
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    # Causal blocks late in the sequence do the most work: launch them first, of every head (heads are the
-    # grid's fastest axis), so the CTAs start heaviest first and the last wave is short: at 8k tokens, block
-    # order within each head in turn would leave the GPU 5% idle at the end (a list-scheduling model).
-    head = gl.program_id(0)
-    m_start = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
-    batch = gl.program_id(2).to(gl.int64)
-    kv_head = head // GROUP
-    q_desc = _head_view(Q + batch * stride_qb + head * stride_qh, seqlen, stride_qs, BLOCK_M, HEAD_DIM, q_layout)
-    k_desc = _head_view(K + batch * stride_kb + kv_head * stride_kh, seqlen, stride_ks, BLOCK_N, HEAD_DIM,
-                        kv_layout)
-    v_desc = _head_view(V + batch * stride_vb + kv_head * stride_vh, seqlen, stride_vs, BLOCK_N, HEAD_DIM,
-                        kv_layout)
-    o_desc = _head_view(O + batch * stride_ob + head * stride_oh, seqlen, stride_os, GROUP_ROWS, HEAD_DIM,
-                        q_layout)
+    rows = batch_rows * seqlen
+    descs = (_rows_view(Q, rows, stride_qs, q_heads, stride_qh, BLOCK_M, HEAD_DIM, q_layout),
+             _rows_view(K, rows, stride_ks, kv_heads, stride_kh, BLOCK_N, HEAD_DIM, kv_layout),
+             _rows_view(V, rows, stride_vs, kv_heads, stride_vh, BLOCK_N, HEAD_DIM, kv_layout))
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    bars = ring_barriers(NUM_STAGES, 2)     # Q once; K and V rings, freed by an arrival from each row group
-
-    lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
-                                              KEYS=True)
-    head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
+    q_ready, k_ready, k_free, v_ready, v_free = ring_barriers(NUM_STAGES, 2)   # rings freed by both row groups
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_free, count=2)
+    bars = (q_ready, q_free, k_ready, k_free, v_ready, v_free)
     smem = (q_smem, k_smem, v_smem)
-    # At least one tile: every query row sees a key (itself when causal; its non-empty document). With none
-    # the row groups would wait for tile 0 forever.
-    n_tiles = head_tiles + mid_tiles + tail_tiles
-    tiles = (m_start, lo, head_tiles, head_tiles + mid_tiles, n_tiles)
-    lse_rows = LSE + (batch * gl.num_programs(0) + head) * seqlen
+    n_blocks = gl.cdiv(seqlen, BLOCK_M)
+    schedule = (batch_rows * n_blocks * q_heads, n_blocks, q_heads, seqlen, DOC_START, DOC_END)
     gl.warp_specialize([
-        (_rows_partition, (smem, bars, o_desc, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 0,
-                           CAUSAL, HAS_DOCS)),
-        (_rows_partition, (smem, bars, o_desc, tiles, lse_rows, DOC_START, DOC_END, seqlen, qk_scale_log2, 1,
-                           CAUSAL, HAS_DOCS)),
-        (_load_partition, (smem, bars, q_desc, k_desc, v_desc, m_start, lo, n_tiles)),
+        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 0, CAUSAL,
+                           HAS_DOCS)),
+        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 1, CAUSAL,
+                           HAS_DOCS)),
+        (_load_partition, (smem, bars, descs, schedule, stride_qh, stride_kh, GROUP, CAUSAL, HAS_DOCS)),
     ], [4, 1], [ROWS_REGISTERS, LOAD_REGISTERS])
 
 
 def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: float):
     """(out, lse) as kernels.flash_attention._attention_forward, for inputs `supports` accepts; lse in
     base 2. Descriptors are built on the device: the caller has set Triton's allocator."""
-    batch, seqlen, q_heads, head_dim = q.shape
+    batch, seqlen, q_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
-    _attn_fwd_kernel[(q_heads, _query_blocks(seqlen), batch)](
-        q, k, v, out, lse, doc_start, doc_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], seqlen, qk_scale_log2,
-        GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
-        HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
+    if batch == 1 or all(t.stride(0) == seqlen * t.stride(1) for t in (q, k, v, out)):
+        _launch(q, k, v, out, lse, doc_start, doc_end, causal, qk_scale_log2)
+    else:   # the kernel reads batch rows as one run of rows: rows apart from one another go one at a time
+        for row in range(batch):
+            rows = slice(row, row + 1)
+            _launch(q[rows], k[rows], v[rows], out[rows], lse[rows], doc_start, doc_end, causal, qk_scale_log2)
     return out, lse
 
 
-def _query_blocks(seqlen: int) -> int:
-    blocks = triton.cdiv(seqlen, 2 * GROUP_ROWS.value)
-    if blocks > MAX_GRID_Y:
-        raise ValueError(f"{seqlen} tokens in one row is more than this kernel's {MAX_GRID_Y * 2 * GROUP_ROWS.value}: "
-                         "split the row (sequence parallelism, parallel.sequence) or use fewer tokens")
-    return blocks
+def _launch(q, k, v, out, lse, doc_start, doc_end, causal: bool, qk_scale_log2: float) -> None:
+    batch, seqlen, q_heads, head_dim = q.shape
+    items = batch * q_heads * triton.cdiv(seqlen, 2 * GROUP_ROWS.value)
+    _attn_fwd_kernel[(min(items, _multiprocessors(q.device)), )](
+        q, k, v, out, lse, doc_start, doc_end, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
+        v.stride(2), *out.stride()[:3], batch, seqlen, q_heads, k.shape[2], qk_scale_log2,
+        GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
+        HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _runs_hopper_code(device: torch.device) -> bool:
@@ -287,6 +353,14 @@ def _runs_hopper_code(device: torch.device) -> bool:
     override = os.environ.get("TRITON_OVERRIDE_ARCH", "")
     return (device.type == "cuda" and not triton_interpreting()
             and torch.cuda.get_device_capability(device)[0] == 9 and override in ("", "sm90", "sm90a"))
+
+
+def reads_as_rows(*tensors: torch.Tensor) -> bool:
+    """Whether the kernel can read each [B, S, H, D] tensor as one view of [B * S rows, a token's heads]: its
+    heads at least D apart and within the token stride (true of [B, S, H, D] layouts, not of [B, H, S, D]
+    ones, which the Triton forward takes)."""
+    return all(t.stride(2) >= t.shape[3] and t.stride(1) >= (t.shape[2] - 1) * t.stride(2) + t.shape[3]
+               for t in tensors)
 
 
 def supports(q: torch.Tensor) -> bool:
