@@ -1,0 +1,85 @@
+"""kernels/flash_attention_hopper.py's forward against another version of that file, on a Hopper GPU: the
+largest difference of their outputs and statistics on odd shapes and layouts (D = 64, one token, non-causal,
+packed documents, batch rows apart, heads 256 apart), then both timed in turn over 7 rounds at 8k, 32k,
+packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of 128, causal, bf16).
+
+    python3 docs/experiments/forward_ab.py [OTHER_VERSION.py]     # default: the file at git HEAD
+
+Measured on 2026-11-25 (docs/BENCHMARKS.md): the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
+work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`)."""
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kernels import flash_attention as fa, flash_attention_hopper as new  # noqa: E402
+
+folder = tempfile.mkdtemp()
+path = Path(folder) / "fwd_old.py"
+path.write_text(subprocess.run(["git", "show", "HEAD:kernels/flash_attention_hopper.py"], capture_output=True, text=True,
+                               check=True).stdout if len(sys.argv) < 2 else Path(sys.argv[1]).read_text())
+spec = importlib.util.spec_from_file_location("fwd_old", path)
+old = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(old)
+fa.ensure_allocator(torch.device("cuda"))
+g = torch.Generator(device="cuda").manual_seed(0)
+
+def rnd(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+def docs(total, cuts):
+    cu = torch.tensor([0, *cuts, total], dtype=torch.int32, device="cuda")
+    return fa._document_bounds(cu, total)
+
+def check(label, q, k, v, bounds=(None, None), causal=True):
+    scale = q.shape[-1] ** -0.5 * fa.LOG2E
+    o1, l1 = old.attention_forward(q, k, v, *bounds, causal, scale)
+    o2, l2 = new.attention_forward(q, k, v, *bounds, causal, scale)
+    torch.cuda.synchronize()
+    print(f"{label:40s} out max diff {(o1.float() - o2.float()).abs().max().item():.3g} lse max diff "
+          f"{(l1 - l2).abs().max().item():.3g} nan {bool(o2.isnan().any() or l2.isnan().any())}", flush=True)
+
+check("B1 S1 2/1 D128", rnd(1, 1, 2, 128), rnd(1, 1, 1, 128), rnd(1, 1, 1, 128))
+check("B2 S777 4/1 D64", rnd(2, 777, 4, 64), rnd(2, 777, 1, 64), rnd(2, 777, 1, 64))
+check("B1 S1500 4/2 noncausal", rnd(1, 1500, 4, 128), rnd(1, 1500, 2, 128), rnd(1, 1500, 2, 128), causal=False)
+check("B1 S4096 packed 5 docs", rnd(1, 4096, 8, 128), rnd(1, 4096, 2, 128), rnd(1, 4096, 2, 128),
+      docs(4096, [1, 300, 301, 2500]))
+check("B1 S4096 packed noncausal", rnd(1, 4096, 8, 128), rnd(1, 4096, 2, 128), rnd(1, 4096, 2, 128),
+      docs(4096, [1000, 3001]), causal=False)
+base = rnd(3, 1000, 4, 128); kb = rnd(3, 1000, 2, 128); vb = rnd(3, 1000, 2, 128)
+check("B3 S777 rows apart (per-row launches)", base[:, :777], kb[:, :777], vb[:, :777])
+wide = rnd(2, 999, 4, 256); kw = rnd(2, 999, 2, 256)
+check("B2 S999 heads 256 apart", wide[..., :128], kw[..., :128], kw[..., 128:])
+check("B16 S4096 32/8", rnd(16, 4096, 32, 128), rnd(16, 4096, 8, 128), rnd(16, 4096, 8, 128))
+
+def flops(lengths, rows=1):
+    return rows * sum(2.0 * n * n * 128 * 32 for n in lengths)
+
+cases = {"8k": (1, [8192]), "32k": (1, [32768]), "packed-16x4k": (1, [4096] * 16), "batch-16x4k": (16, [4096]),
+         "131k": (1, [131072])}
+for label, (rows, lengths) in cases.items():
+    total = sum(lengths)
+    q, k, v = rnd(rows, total, 32, 128), rnd(rows, total, 8, 128), rnd(rows, total, 8, 128)
+    bounds = docs(total, torch.tensor(lengths).cumsum(0)[:-1].tolist()) if len(lengths) > 1 else (None, None)
+    check(label, q, k, v, bounds)
+    times = {"old": [], "new": []}
+    reps = max(1, int(100 / (flops(lengths, rows) / 5e11)))   # about 100 ms a timing
+    for _ in range(7):
+        for name, module in (("old", old), ("new", new)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                module.attention_forward(q, k, v, *bounds, True, 0.1)
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    for name, runs in times.items():
+        ms = statistics.median(runs)
+        print(f"{label:14s} {name} {ms:8.3f} ms {flops(lengths, rows) / ms / 1e9:5.0f} TFLOP/s spread "
+              f"{100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
+    del q, k, v
