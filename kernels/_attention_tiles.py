@@ -33,7 +33,8 @@ def partner_range(DOC_START, DOC_END, start, seqlen, BLOCK: tl.constexpr, CAUSAL
     if not KEYS:
         # A key block crossing the sequence's end holds TMA's zero rows past it: unmasked, their scores 0 give
         # P = exp2(-lse), which overflows where every visible logit is very negative, and dQ = dS K gets inf * 0.
-        # Every query tile of such a block is masked.
+        # Every query tile of such a block is masked (in the Triton dK/dV kernel too, which computes no dQ and
+        # does not need it, for one block per row).
         full_lo = tl.where(start + BLOCK > seqlen, hi, full_lo)
     return lo, full_lo, full_hi, hi
 

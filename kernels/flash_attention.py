@@ -19,13 +19,14 @@ per query block. On Hopper, 16-bit inputs take the one-pass Gluon backward inste
 (kernels/flash_attention_hopper_backward.py: 5 products per tile where these two kernels make 7, dQ added
 with TMA reductions, so not bit-identical run to run) unless `deterministic=True`, where Q's and dO's heads
 are adjacent within a token and dO suits a tensor descriptor. kernels.dispatch asks for it only for packed
-rows under a cuDNN memory plan (kernels/attention_workspace.py). Tiles are moved with tensor descriptors (TMA on Hopper), which also zero-fill the rows
-past the end of the sequence.
+rows under a cuDNN memory plan (kernels/attention_workspace.py). Tiles are moved with tensor descriptors (TMA
+on Hopper), which also zero-fill the rows past the end of the sequence.
 
 On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon,
 warp-specialized: faster than this Triton forward, and than cuDNN's from 32k tokens up,
 docs/BENCHMARKS.md); fp32 inputs, other
-GPUs and Triton's interpreter run the one here, which that kernel's tests hold it to.
+GPUs, Triton's interpreter and layouts whose heads do not lie within a token's row
+(flash_attention_hopper.reads_as_rows) run the one here, which that kernel's tests hold it to.
 
 Before Hopper (the A100, sm_80) Triton lowers the same source without TMA: its
 rewrite-tensor-descriptor-to-pointer pass turns each descriptor load/store into masked pointer loads/stores,

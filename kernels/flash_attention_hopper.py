@@ -1,8 +1,8 @@
 """Flash attention forward for Hopper (sm_90) in Gluon, warp-specialized as FlashAttention-3 is.
 
 The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
-read through their strides (a token's heads within its row: `reads_as_rows`), optional per-token document bounds (packed documents folded into one row),
-causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
+read through their strides (a token's heads within its row: `reads_as_rows`), optional per-token document
+bounds (packed documents folded into one row), causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
 fp32) that the backwards (Triton's, the one-pass Gluon one, cuDNN's through kernels.cudnn_attention) and
 the attention tape take.
 Only the forward is here.
@@ -32,7 +32,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from conf.schema.job import triton_interpreting
@@ -47,7 +47,6 @@ MAX_REGISTERS = 168
 ROWS_REGISTERS = gl.constexpr(240)
 LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
-MAX_GRID_Y = 65535                     # CUDA's limit on a grid's second axis (the backward's key blocks)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -95,15 +94,9 @@ def _softmax_step(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_h
 
 
 @gluon.jit
-def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """A [seqlen, HEAD_DIM] view of one head of one batch row, moved BLOCK tokens at a time by TMA."""
-    return tma.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
-                                      block_shape=[BLOCK, HEAD_DIM], layout=layout)
-
-
-@gluon.jit
 def ring_barriers(NUM_STAGES: gl.constexpr, FREE_ARRIVALS: gl.constexpr):
-    """The barriers of a load warp feeding compute warps: one for the tiles loaded once, and two rings of
+    """The barriers of a load warp feeding compute warps: a single one (the forward: each work item's Q; the
+    backward: K and V, loaded once), and two rings of
     NUM_STAGES (ready, free) pairs, a ready barrier completed by TMA, a free one by FREE_ARRIVALS arrivals.
     Returns (once, first ready, first free, second ready, second free)."""
     once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -121,27 +114,23 @@ def ring_barriers(NUM_STAGES: gl.constexpr, FREE_ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, n_blocks, q_heads, BLOCK_M: gl.constexpr):
-    """The item-th (query head, first query row, batch row) in launch order: heads fastest, then a causal
-    row's latest blocks, which do the most work, first: the CTAs take the heaviest items first and the
-    last round is short (block order within each head in turn left the GPU 5% idle at the end at 8k tokens
-    in a list-scheduling model)."""
+def _work_item(item, schedule, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               HAS_DOCS: gl.constexpr):
+    """The item-th (query head, first query row, batch row) and its key tiles: the first one's start, where
+    the masked head run ends and the masked tail run begins, and their count (at least one: every query row
+    sees a key, itself when causal, its non-empty document). Items go heads fastest, then a causal row's
+    latest blocks, which do the most work, first, then batch rows; CTA c takes items c, c + num_programs,
+    ..., so every round of items is about as heavy across the CTAs and the heaviest come first (block order
+    within each head in turn left the GPU 5% idle at the end at 8k tokens in a list-scheduling model)."""
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
     head = item % q_heads
     rest = item // q_heads
     m_start = (n_blocks - 1 - rest % n_blocks) * BLOCK_M
-    return head, m_start, rest // n_blocks
-
-
-@gluon.jit
-def _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
-    """The key tiles of the query block from m_start: the first one's start, where the masked head run ends
-    and the masked tail run begins, and their count (at least one: every query row sees a key, itself when
-    causal, its non-empty document)."""
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
                                               KEYS=True)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
-    return lo, head_tiles, head_tiles + mid_tiles, head_tiles + mid_tiles + tail_tiles
+    n_tiles = head_tiles + mid_tiles + tail_tiles
+    return head, m_start, rest // n_blocks, lo, head_tiles, head_tiles + mid_tiles, n_tiles
 
 
 @gluon.jit
@@ -160,9 +149,8 @@ def _load_partition(smem, bars, descs, schedule, stride_qh, stride_kh, GROUP: gl
     tiles_before = 0
     items_before = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        head, m_start, batch = _work_item(item, n_blocks, q_heads, BLOCK_M)
-        lo, head_tiles, mid_end, n_tiles = _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
-                                                      CAUSAL, HAS_DOCS)
+        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(item, schedule, BLOCK_M, BLOCK_N,
+                                                                           CAUSAL, HAS_DOCS)
         row0 = batch * seqlen       # the batch row's first row in the [B * S, columns] views
         mbarrier.wait(q_free, (items_before & 1) ^ 1)     # a new mbarrier counts as having completed phase 1
         _load_tile(q_desc, (row0 + m_start).to(gl.int32), head * stride_qh, q_ready, q_smem)
@@ -208,9 +196,8 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
     tiles_before = 0
     items_before = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        head, m_start, batch = _work_item(item, n_blocks, q_heads, BLOCK_M)
-        lo, head_tiles, mid_end, n_tiles = _key_tiles(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, BLOCK_N,
-                                                      CAUSAL, HAS_DOCS)
+        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(item, schedule, BLOCK_M, BLOCK_N,
+                                                                           CAUSAL, HAS_DOCS)
         offs_m = m_start + GROUP_INDEX * ROWS + gl.arange(0, ROWS, layout=row_s)
         row_doc_lo, row_doc_hi = _token_documents(DOC_START, DOC_END, offs_m, offs_m < seqlen, HAS_DOCS)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
@@ -274,7 +261,9 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
 def _rows_view(base, rows, row_stride, heads, head_stride, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                layout: gl.constexpr):
     """Every batch row and head of q, k or v as one [rows, columns] view: a head's tile of BLOCK tokens is
-    the box at (token's row, head * head_stride). Batch rows must follow one another at the token stride."""
+    the box at (token's row, head * head_stride). Batch rows must follow one another at the token stride.
+    A tile crossing a batch row's end reads the next row's first tokens, not zeros: masked (P = 0), they
+    change nothing as long as they are finite (0 * inf would be NaN)."""
     return tma.make_tensor_descriptor(base, shape=[rows, (heads - 1) * head_stride + HEAD_DIM],
                                       strides=[row_stride, 1], block_shape=[BLOCK, HEAD_DIM], layout=layout)
 
@@ -317,8 +306,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
 
 
 def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: float):
-    """(out, lse) as kernels.flash_attention._attention_forward, for inputs `supports` accepts; lse in
-    base 2. Descriptors are built on the device: the caller has set Triton's allocator."""
+    """(out, lse) as kernels.flash_attention._attention_forward, for inputs that `supports` and
+    `reads_as_rows` accept, with strides that suit tensor descriptors (flash_attention.tma_compatible);
+    lse in base 2. Descriptors are built on the device: the caller has set Triton's allocator."""
     batch, seqlen, q_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)

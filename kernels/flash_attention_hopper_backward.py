@@ -33,8 +33,8 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
 from kernels.attention_workspace import one_pass_head_groups
-from kernels.flash_attention_hopper import (LOAD_REGISTERS, MAX_GRID_Y, MAX_REGISTERS, _head_view, _partner_range,
-                                           _tile_runs, _token_documents, _visible_pairs, ring_barriers)
+from kernels.flash_attention_hopper import (LOAD_REGISTERS, MAX_REGISTERS, _partner_range, _tile_runs,
+                                           _token_documents, _visible_pairs, ring_barriers)
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
@@ -42,6 +42,7 @@ NUM_STAGES = 2                     # Q and dO tiles in flight: 193 KiB of shared
 # TMA reads the statistics' rows from 16-byte aligned addresses: each head's rows, and each tile, start at a
 # multiple of 4 floats (attention_backward pads the heads' rows of other lengths).
 STATS_ALIGN = gl.constexpr(4)
+MAX_GRID_Y = 65535                 # CUDA's limit on a grid's second axis (key blocks here)
 
 
 @builtin
@@ -50,6 +51,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     no wrapper for it; the compute partition waits for it with tma.store_wait as for a TMA store."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _head_view(base, seqlen, stride_s, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """A [seqlen, HEAD_DIM] view of one head of one batch row, moved BLOCK tokens at a time by TMA."""
+    return tma.make_tensor_descriptor(base, shape=[seqlen, HEAD_DIM], strides=[stride_s, 1],
+                                      block_shape=[BLOCK, HEAD_DIM], layout=layout)
 
 
 @gluon.jit

@@ -7,6 +7,7 @@ run only in a process started with TRITON_INTERPRET=0 on a CUDA machine:
 
     TRITON_INTERPRET=0 python -m pytest tests/test_flash_attention.py   # GPU tests; CPU tests skip
 """
+import math
 import os
 
 COMPILED = os.environ.get("TRITON_INTERPRET") == "0"
@@ -291,6 +292,32 @@ def test_one_pass_statistics_are_padded_to_aligned_rows():
     assert kept[0] is aligned_lse and kept[1] is aligned_delta
 
 
+def test_the_hopper_forward_reads_rows_of_heads_and_launches_once_per_run_of_rows(monkeypatch):
+    """The persistent Gluon forward reads q, k, v as [B * S, a token's heads] views: [B, S, H, D] layouts (heads
+    apart or not) fit, [B, H, S, D] ones do not (the Triton forward takes them). Batch rows one after another
+    go in one launch; rows apart, one launch each, on views of the output and statistics, not copies."""
+    from kernels import flash_attention_hopper
+    tokens_first = torch.empty(2, 9, 4, 16)
+    heads_apart = torch.empty(2, 9, 4, 32)[..., :16]
+    heads_first = torch.empty(2, 4, 9, 16).transpose(1, 2)
+    assert flash_attention_hopper.reads_as_rows(tokens_first, heads_apart)
+    assert not flash_attention_hopper.reads_as_rows(tokens_first, heads_first)
+
+    launches = []
+    monkeypatch.setattr(flash_attention_hopper, "_launch", lambda q, k, v, out, lse, *rest: launches.append(
+        (q.shape[0], q.data_ptr(), out, lse)))
+    q, k = torch.randn(3, 9, 4, 16), torch.randn(3, 9, 2, 16)
+    out, lse = flash_attention_hopper.attention_forward(q, k, k, None, None, True, 1.0)
+    assert [(rows, ptr) for rows, ptr, *_ in launches] == [(3, q.data_ptr())]
+    assert launches[0][2] is out and launches[0][3] is lse
+    launches.clear()
+    rows_apart = torch.randn(3, 12, 4, 16)[:, :9]
+    out, lse = flash_attention_hopper.attention_forward(rows_apart, k, k, None, None, True, 1.0)
+    assert [(rows, ptr) for rows, ptr, *_ in launches] == [(1, rows_apart[row].data_ptr()) for row in range(3)]
+    for row, (_, _, row_out, row_lse) in enumerate(launches):
+        assert row_out.data_ptr() == out[row].data_ptr() and row_lse.data_ptr() == lse[row].data_ptr()
+
+
 @interpreted
 def test_runs_after_kernels_and_model_were_imported():
     """The suite's order: other test modules import kernels and the model (no Triton yet) before this one."""
@@ -426,6 +453,9 @@ def test_gpu_one_pass_backward_where_every_logit_is_very_negative(monkeypatch, c
     q = (q + 37 * direction).bfloat16().requires_grad_()
     k = (k - 37 * direction).bfloat16().requires_grad_()
     v.requires_grad_()
+    # Every row's log-sum-exp below -88.7 (at most its largest logit + ln(1000 keys)): exp(-lse) overflows.
+    logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(2, dim=2)) / 128 ** 0.5
+    assert (logits.amax(-1) + math.log(1000)).max() < -88.7
     cu_seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens, device="cuda", dtype=torch.int32)
     _check_one_pass_backward(monkeypatch, q, k, v, False, cu_seqlens)
 
@@ -489,23 +519,32 @@ def test_gpu_compiled_code_is_the_architectures():
 @gpu
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon forward is Hopper's")
 @pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
-@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype,packed", [
-    (1, 1, 2, 1, 128, True, torch.bfloat16, False),
-    (1, 1000, 4, 2, 128, True, torch.bfloat16, False),      # a tail tile
-    (2, 777, 4, 1, 64, True, torch.bfloat16, False),
-    (1, 1500, 4, 2, 128, False, torch.bfloat16, False),
-    (1, 1500, 4, 2, 128, True, torch.float16, False),
-    (1, 8192, 32, 8, 128, True, torch.bfloat16, False),
-    (2, 2048, 4, 2, 128, True, torch.bfloat16, True),
+@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal,dtype,packed,layout", [
+    (1, 1, 2, 1, 128, True, torch.bfloat16, False, "contiguous"),
+    (1, 1000, 4, 2, 128, True, torch.bfloat16, False, "contiguous"),      # a tail tile
+    (2, 777, 4, 1, 64, True, torch.bfloat16, False, "contiguous"),
+    (1, 1500, 4, 2, 128, False, torch.bfloat16, False, "contiguous"),
+    (1, 1500, 4, 2, 128, True, torch.float16, False, "contiguous"),
+    (1, 8192, 32, 8, 128, True, torch.bfloat16, False, "contiguous"),
+    (2, 2048, 4, 2, 128, True, torch.bfloat16, True, "contiguous"),
+    # more work items than SMs: a CTA takes several, across batch rows and tail blocks, with documents too
+    (2, 3000, 16, 4, 128, True, torch.bfloat16, False, "contiguous"),
+    (1, 12000, 8, 2, 128, True, torch.bfloat16, True, "contiguous"),
+    (2, 999, 4, 2, 128, True, torch.bfloat16, False, "heads apart"),    # slices of wider tensors (fused QKV)
+    (3, 777, 4, 2, 128, False, torch.bfloat16, False, "rows apart"),    # one launch per batch row
 ])
 def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim,
-                                                       causal, dtype, packed):
+                                                       causal, dtype, packed, layout):
     """The Gluon forward against the fp32 reference, no worse than the Triton forward it replaces, with the
     same log-sum-exp (which the backwards read), over a poisoned output buffer."""
     import kernels.flash_attention as flash
     from kernels import flash_attention_hopper
     torch.manual_seed(seqlen)
-    q, k, v = (t.detach() for t in _inputs(batch, seqlen, q_heads, kv_heads, head_dim, dtype, "cuda"))
+    wider = {"contiguous": (seqlen, head_dim), "heads apart": (seqlen, 2 * head_dim),
+             "rows apart": (seqlen + 123, head_dim)}[layout]
+    q, k, v = (t.detach()[:, :seqlen, :, :head_dim]
+               for t in _inputs(batch, wider[0], q_heads, kv_heads, wider[1], dtype, "cuda"))
+    assert flash_attention_hopper.reads_as_rows(q, k, v)
     cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(2)).cuda() if packed else None
     ref = reference.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens=cu_seqlens)
     folded = [flash._fold_batch(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"))] if packed else [q, k, v]
