@@ -21,7 +21,8 @@ The contenders of a case are timed in turn, round after round (`--rounds`, 5 by 
 the median over the rounds with its spread (max - min, in % of the median): the GPU's clock moves with its
 temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
 `--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler);
-`--clocks`, the mean SM clock and power draw while each cell was timed (nvidia-smi, scripts/gpu_clocks.py).
+`--clocks`, the mean SM clock, the mean power by the energy counter and the work per joule (TFLOP/J) while each
+cell was timed (nvidia-smi, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed.
 """
 from __future__ import annotations
 
@@ -122,17 +123,24 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None) 
             else:
                 row["fwd+bwd" if backward else "fwd"] = None
         results.append((name, row))
-        cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%{_clock_note(v[3], clocks)}" if v
+        cells = [f"{k} {v[0]:8.2f} ms {v[1]:6.0f} TFLOP/s ±{v[2]:.1f}%{_clock_note(v[3], clocks, v[1])}" if v
                  else f"{k} failed" for k, v in row.items()]
         print(f"  {name:<28}" + " | ".join(cells), flush=True)
     return [(name, fn) for name, fn in contenders if times[name, True]]
 
 
-def _clock_note(clock, clocks) -> str:
-    """" @ MHz W" of a cell timed under a sampler; what happened when nothing was sampled; "" without one."""
+def _clock_note(clock, clocks, tflops: float) -> str:
+    """" @ MHz W TFLOP/J" of a cell timed under a sampler (the watts and the work per joule by the energy
+    counter; where the GPU has none, power.draw's watts); what happened when nothing was sampled; "" without
+    a sampler."""
     if clocks is None:
         return ""
-    return f" @ {clock[0]:.0f} MHz {clock[1]:.0f} W" if clock else " @ no clock samples"
+    if not clock:
+        return " @ no clock samples"
+    mhz, draw_watts, _, energy_watts = clock
+    if energy_watts is None:
+        return f" @ {mhz:.0f} MHz {draw_watts:.0f} W (power.draw)"
+    return f" @ {mhz:.0f} MHz {energy_watts:.0f} W {tflops / energy_watts:.3f} TFLOP/J"
 
 
 def profile_kernels(name: str, fn, inputs, steps: int = 3) -> None:
@@ -246,7 +254,7 @@ def main():
     print(f"\n{args.rounds} rounds; each cell the median, ± the spread (max - min) in % of it")
     print("| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
     for name, row in results:
-        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%{_clock_note(row[k][3], clocks)}"
+        cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%{_clock_note(row[k][3], clocks, row[k][1])}"
                  if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
