@@ -118,8 +118,7 @@ def _forward(q, k, v, causal: bool, scale: float):
     # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
     # the process, which importing the dispatch (and so this module) must leave to the caller.
     from kernels import flash_attention, flash_attention_hopper
-    if (flash_attention_hopper.supports(q) and flash_attention_hopper.reads_as_rows(q, k, v)
-            and all(flash_attention.tma_compatible(t) for t in (q, k, v))):
+    if flash_attention_hopper.takes(q, k, v) and all(flash_attention.tma_compatible(t) for t in (q, k, v)):
         flash_attention.check_shapes(q, k, v)     # the kernel reads K/V heads as Hq // Hkv: refuse what it cannot
         flash_attention.ensure_allocator(q.device)
         out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,

@@ -438,7 +438,7 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _attention_forward(q, k, v, doc_start, doc_end, causal: bool, sm_scale: float):
-    if flash_attention_hopper.supports(q) and flash_attention_hopper.reads_as_rows(q, k, v):
+    if flash_attention_hopper.takes(q, k, v):
         return flash_attention_hopper.attention_forward(q, k, v, doc_start, doc_end, causal, sm_scale * LOG2E)
     batch, seqlen, q_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -498,8 +498,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             q, k, v = _fold_batch(q, "q"), _fold_batch(k, "k"), _fold_batch(v, "v")
         tuning_key = (q.dtype, q.shape[2:], k.shape[2], causal, cu_seqlens is not None, deterministic)
         # Hopper's Gluon forward and one-pass backward tune nothing: no prefix run for them.
-        gluon_only = (flash_attention_hopper.supports(q) and flash_attention_hopper.reads_as_rows(q, k, v)
-                      and not deterministic)
+        gluon_only = flash_attention_hopper.takes(q, k, v) and not deterministic
         if not gluon_only and _needs_prefix_tuning(q.shape[1], tuning_key):
             _tune_on_prefix(q, k, v, doc_start, doc_end, causal, sm_scale, deterministic, tuning_key)
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result

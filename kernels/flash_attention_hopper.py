@@ -2,9 +2,9 @@
 
 The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
 read through their strides (a token's heads within its row: `reads_as_rows`), optional per-token document
-bounds (packed documents folded into one row), causal or not; it returns the output in q's layout and the per-row log-sum-exp in base 2 ([B, Hq, S],
-fp32) that the backwards (Triton's, the one-pass Gluon one, cuDNN's through kernels.cudnn_attention) and
-the attention tape take.
+bounds (packed documents folded into one row), causal or not; it returns the output in q's layout and the
+per-row log-sum-exp in base 2 ([B, Hq, S], fp32) that the backwards (Triton's, the one-pass Gluon one,
+cuDNN's through kernels.cudnn_attention) and the attention tape take.
 Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
@@ -306,9 +306,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
 
 
 def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: float):
-    """(out, lse) as kernels.flash_attention._attention_forward, for inputs that `supports` and
-    `reads_as_rows` accept, with strides that suit tensor descriptors (flash_attention.tma_compatible);
-    lse in base 2. Descriptors are built on the device: the caller has set Triton's allocator."""
+    """(out, lse) as kernels.flash_attention._attention_forward, for inputs that `takes` accepts, with
+    strides that suit tensor descriptors (flash_attention.tma_compatible); lse in base 2. Descriptors are
+    built on the device: the caller has set Triton's allocator."""
     batch, seqlen, q_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((batch, q_heads, seqlen), device=q.device, dtype=torch.float32)
@@ -351,6 +351,11 @@ def reads_as_rows(*tensors: torch.Tensor) -> bool:
     ones, which the Triton forward takes)."""
     return all(t.stride(2) >= t.shape[3] and t.stride(1) >= (t.shape[2] - 1) * t.stride(2) + t.shape[3]
                for t in tensors)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether attention_forward runs these inputs: q as `supports` asks, all three read as rows."""
+    return supports(q) and reads_as_rows(q, k, v)
 
 
 def supports(q: torch.Tensor) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from kernels import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
+from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
 
 SOURCE = (ROOT / "kernels" / "flash_attention_hopper_backward.py").read_text()
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -133,20 +133,8 @@ def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int) -> 
     for name, module in modules.items():
         if name != "kernel":
             print(f"{label} {name}: rel diff dq dk dv", [f"{rel_diff(a, b):.1e}" for a, b in zip(call(module), base)])
-    times = {name: [] for name in modules}
-    for _ in range(rounds):
-        for name, module in modules.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                call(module)
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    for name, runs in times.items():
-        ms = statistics.median(runs)
-        print(f"{label:20s} {name:14s} {ms:8.3f} ms {backward_flops(*case[:2]) / ms / 1e9:5.0f} TFLOP/s"
-              f"  spread {100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
+    time_in_turn(label, {name: (lambda module=module: call(module)) for name, module in modules.items()},
+                 backward_flops(*case[:2]), rounds, reps)
 
 
 def main() -> None:

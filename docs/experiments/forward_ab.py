@@ -8,7 +8,6 @@ packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of
 Measured on 2026-11-25 (docs/BENCHMARKS.md): the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
 work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`)."""
 import importlib.util
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import flash_attention as fa, flash_attention_hopper as new  # noqa: E402
+from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
 
 folder = tempfile.mkdtemp()
 path = Path(folder) / "fwd_old.py"
@@ -67,19 +67,7 @@ for label, (rows, lengths) in cases.items():
     q, k, v = rnd(rows, total, 32, 128), rnd(rows, total, 8, 128), rnd(rows, total, 8, 128)
     bounds = docs(total, torch.tensor(lengths).cumsum(0)[:-1].tolist()) if len(lengths) > 1 else (None, None)
     check(label, q, k, v, bounds)
-    times = {"old": [], "new": []}
     reps = max(1, int(100 / (flops(lengths, rows) / 5e11)))   # about 100 ms a timing
-    for _ in range(7):
-        for name, module in (("old", old), ("new", new)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                module.attention_forward(q, k, v, *bounds, True, 0.1)
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    for name, runs in times.items():
-        ms = statistics.median(runs)
-        print(f"{label:14s} {name} {ms:8.3f} ms {flops(lengths, rows) / ms / 1e9:5.0f} TFLOP/s spread "
-              f"{100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
+    time_in_turn(label, {name: (lambda module=module: module.attention_forward(q, k, v, *bounds, True, 0.1))
+                         for name, module in (("old", old), ("new", new))}, flops(lengths, rows), 7, reps)
     del q, k, v
