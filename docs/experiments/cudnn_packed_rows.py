@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
+import experiment_timing  # noqa: E402  (this script's folder)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SCALE = HEAD_DIM ** -0.5
@@ -54,15 +55,9 @@ def cudnn_backward(grad_out, q, k, v, out, stats, cu_seqlens, longest):
 
 
 def milliseconds(fn, reps: int = 10) -> float:
+    """After one warm-up call, experiment_timing.milliseconds."""
     fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return experiment_timing.milliseconds(fn, reps)
 
 
 def run_pack(label: str, lengths: list[int]) -> None:
