@@ -41,6 +41,12 @@ class PinnedPool:
             self.buffers[key] = buffer
         return buffer[:nbytes]
 
+    def existing(self, key: object, nbytes: int) -> torch.Tensor | None:
+        """The buffer of `key` if one of at least `nbytes` is pinned already (its first `nbytes`), else None:
+        nothing is allocated."""
+        buffer = self.buffers.get(key)
+        return buffer[:nbytes] if buffer is not None and buffer.numel() >= nbytes else None
+
     def carve(self, key: object, likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """One buffer under `key` carved into a view shaped and typed like each of `likes`, each starting on
         an ALIGNMENT boundary: one allocation instead of one per tensor, each rounded up to a power of two."""
@@ -108,6 +114,12 @@ class CopyEngine:
     def to_host(self, key: object, tensor: torch.Tensor) -> HostCopy:
         """Copy `tensor` into the pool buffer of `key`."""
         return self.copy_to_host(_typed_view(self.pool.get(key, _nbytes(tensor)), tensor), tensor)
+
+    def into_existing(self, key: object, tensor: torch.Tensor) -> HostCopy | None:
+        """Copy `tensor` into the pool buffer of `key` if one large enough is there already; None (no copy, no
+        allocation) otherwise."""
+        buffer = self.pool.existing(key, _nbytes(tensor))
+        return None if buffer is None else self.copy_to_host(_typed_view(buffer, tensor), tensor)
 
     def copy_to_host(self, host: torch.Tensor, tensor: torch.Tensor) -> HostCopy:
         """Copy `tensor` into `host`, pool memory shaped like it (a carved view); the caller may drop

@@ -16,6 +16,7 @@ import torch
 
 from conf.errors import ConfigError
 from offload.byte_model import Shape, pinned_size
+from offload.store import rebuilds_attention
 
 
 def _recomputable(layers: int, on_gpu: int) -> range:
@@ -115,7 +116,10 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: G
     # Without CUDA there is nowhere to offload to: the "GPU" is the host.
     on_gpu = layers if not offload else min(layers, memory_cfg.gpu_layers) if memory_cfg.gpu_layers is not None \
         else _most(lambda n: gpu_bytes(_placements(layers, n, 0), no_attention) + reserve <= room.bytes, layers)
-    needed = max(0, layers - on_gpu - host_room // pinned_size(shape.activation)) if on_gpu < layers else 0
+    slot = pinned_size(shape.activation)
+    needed = max(0, layers - on_gpu - host_room // slot) if on_gpu < layers else 0
+    if needed:      # the layers that rebuild recomputed inputs share a pinned lse buffer (rebuilds_attention)
+        needed = max(0, layers - on_gpu - (host_room - pinned_size(shape.attention_output[1])) // slot)
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
     placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
@@ -156,6 +160,8 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
     if "host" in attention:
         gpu["attention output prefetch"] = b
         host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
+    if any(rebuilds_attention(placements, attention, index) for index in range(len(placements))):
+        host["pinned rebuilt attention lse"] = pinned_size(shape.attention_output[1])
     if "full" in placements:
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
     if layer is not None:

@@ -13,6 +13,8 @@ reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_bu
 Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
 log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
 them instead of running the attention forward again, the costliest part of a long-sequence recompute.
+A layer re-run to rebuild the recomputed input above it keeps that run's attention outputs the same way, for
+its own backward next, in host memory its input no longer needs (`offload.store.rebuilds_attention`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
-from offload.store import LayerInputStore, ReplayState, attention_key, input_key
+from offload.store import REBUILT_LSE_KEY, LayerInputStore, ReplayState, attention_key, input_key
 
 
 def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
@@ -176,7 +178,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
         policy.store.prefetch_attention(index)
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
         tape = policy.store.take_attention(index)
-        policy.store.prefetch_attention(index - 1)
+        policy.store.prefetch_attention(index - 1, ahead=True)
         with (torch.enable_grad(), replay.replay(), tape.replaying() if tape else contextlib.nullcontext(),
               policy.unread.during("layer")):
             out = policy.layers[index](hidden, ctx.rope, ctx.cu_seqlens)
@@ -231,6 +233,8 @@ class MemoryPolicy:
             if self.store.attention[index] == "host":
                 for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
+            if self.store.rebuilds_attention(index):       # one buffer for all of them
+                self.engine.pool.get(REBUILT_LSE_KEY, shape.attention_output[1])
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         index = self.index_of[id(layer)]
@@ -240,12 +244,17 @@ class MemoryPolicy:
 
     def forward_layer(self, index: int, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         """Layer `index`'s forward without grad, recording its attention outputs if they are to be kept."""
-        if not self.store.keeps_attention(index):
+        return self._recording(index, hidden, rope, cu_seqlens, self.store.keeps_attention(index),
+                               self.store.keep_attention)
+
+    def _recording(self, index: int, hidden: torch.Tensor, rope, cu_seqlens, record: bool, keep) -> torch.Tensor:
+        """Layer `index`'s forward, its attention outputs recorded and given to `keep` if `record`."""
+        if not record:
             return self.layers[index](hidden, rope, cu_seqlens)
         tape = AttentionTape()
         with tape.recording():
             out = self.layers[index](hidden, rope, cu_seqlens)
-        self.store.keep_attention(index, tape)
+        keep(index, tape)
         return out
 
     def layer_input(self, index: int, rope, cu_seqlens) -> torch.Tensor:
@@ -256,7 +265,8 @@ class MemoryPolicy:
         if source == index:
             return hidden
         with torch.no_grad(), self.store.replay_state(source).replay():
-            return self.layers[source](hidden, rope, cu_seqlens)
+            return self._recording(source, hidden, rope, cu_seqlens, self.store.rebuilds_attention(source),
+                                   self.store.keep_rebuilt_attention)
 
     def stats(self) -> dict[str, float]:
         """Offload metrics since the last call (pinned GiB, copy GB/s, hidden copy fraction)."""

@@ -56,6 +56,22 @@ def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]
     return ("attention", index, call, part)
 
 
+# The pinned-pool key of the lse a layer's rebuilding forward keeps (`rebuilds_attention`): one buffer that
+# every such layer uses in turn, each done with it before the next layer below rebuilds.
+REBUILT_LSE_KEY = ("rebuilt_attention", "lse")
+
+
+def rebuilds_attention(placements: list[str], attention: list[str], index: int) -> bool:
+    """Whether layer `index`, whose forward is run again in the backward to rebuild the recomputed input of
+    the layer above, keeps that forward's attention outputs for its own backward, which comes next: its
+    recomputation then replays them instead of running its attention forward a third time (at 524k tokens,
+    8 of a step's 72 attention forwards). Its attention output goes where its input was kept on the host,
+    a buffer idle once that input is back on the GPU (the attention output of a Llama is the size of a layer
+    input), so neither the host nor the GPU holds more than the plan counts but the lse (`REBUILT_LSE_KEY`)."""
+    return (placements[index] == "host" and attention[index] == "none"
+            and placements[index + 1:index + 2] == ["recompute"])
+
+
 Payload = torch.Tensor | HostCopy | PendingTensor
 
 
@@ -96,8 +112,10 @@ class StoredInput:
     # Identifies this forward's record to its backward. The autograd node holds only this token, never the
     # record: a node outlives its backward (until the loss is freed) and would keep the payload alive.
     token: object = field(default_factory=object)
-    # The layer's (out, lse) attention payloads, when its attention placement keeps them.
+    # The layer's (out, lse) attention payloads, when its attention placement keeps them (or its rebuilding
+    # forward did: `rebuilds_attention`).
     attention: list[tuple[Payload, Payload]] = field(default_factory=list)
+    rebuilt_attention: bool = False
 
 
 class LayerInputStore:
@@ -160,6 +178,23 @@ class LayerInputStore:
             tuple(self.engine.to_host(attention_key(index, call, part), t) if on_host else t
                   for part, t in enumerate(pair)) for call, pair in enumerate(tape.saved)]
 
+    def rebuilds_attention(self, index: int) -> bool:
+        return rebuilds_attention(self.placements, self.attention, index)
+
+    def keep_rebuilt_attention(self, index: int, tape: AttentionTape) -> None:
+        """Keep what layer `index` recorded while rebuilding the input above it (`rebuilds_attention`): the
+        output in its own input's pinned buffer (that input's copy back out of it runs first: the copy
+        stream is in order), only where it fits there (never a new buffer of that size, which the plan does not
+        count), the lse in REBUILT_LSE_KEY's."""
+        if len(tape.saved) != 1:       # one attention call per layer is what the buffers are sized for
+            return
+        out, lse = tape.saved[0]
+        out_host = self.engine.into_existing(input_key(index), out)
+        if out_host is not None:
+            record = self.stored[index]
+            record.attention = [(out_host, self.engine.to_host(REBUILT_LSE_KEY, lse))]
+            record.rebuilt_attention = True
+
     def take_attention(self, index: int) -> AttentionTape | None:
         """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""
         record = self.stored[index]
@@ -168,10 +203,12 @@ class LayerInputStore:
         record.attention = [tuple(_on_device(p, self.engine) for p in pair) for pair in record.attention]
         return AttentionTape(list(record.attention))
 
-    def prefetch_attention(self, index: int) -> None:
-        """Start copying back layer `index`'s kept attention outputs (its backward comes next)."""
+    def prefetch_attention(self, index: int, ahead: bool = False) -> None:
+        """Start copying back layer `index`'s kept attention outputs (its backward comes next). `ahead`: asked
+        during the backward of the layer above, which leaves rebuilt ones to their own layer's backward: the
+        plan counts no GPU room for them in the layer above's (its peak)."""
         record = self.stored.get(index)
-        if record is not None:
+        if record is not None and not (ahead and record.rebuilt_attention):
             record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:

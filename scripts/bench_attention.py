@@ -22,7 +22,7 @@ the median over the rounds with its spread (max - min, in % of the median): the 
 temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
 `--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler);
 `--clocks`, the mean SM clock, the mean power by the energy counter and the work per joule (TFLOP/J) while each
-cell was timed (nvidia-smi, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed.
+cell was timed (NVML, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed.
 """
 from __future__ import annotations
 
@@ -236,12 +236,12 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="GPU time of each kernel of every contender's fwd+bwd")
     parser.add_argument("--clocks", action="store_true",
-                        help="the SM clock and power draw while each cell was timed (nvidia-smi)")
+                        help="the SM clock and power draw while each cell was timed (NVML)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.clocks and not gpu_clocks.available():
-        parser.error("--clocks needs nvidia-smi on the PATH")
+        parser.error("--clocks needs NVML (libnvidia-ml.so.1, installed with the NVIDIA driver)")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
     sampler = gpu_clocks.ClockSampler(_gpu_id()) if args.clocks else contextlib.nullcontext()
@@ -260,7 +260,7 @@ def main():
 
 
 def _gpu_id() -> str:
-    """This process's GPU as nvidia-smi names it (its UUID: CUDA_VISIBLE_DEVICES may renumber the GPUs)."""
+    """This process's GPU as NVML takes it (its UUID: CUDA_VISIBLE_DEVICES may renumber the GPUs)."""
     return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
 
 

@@ -1,12 +1,17 @@
-"""The GPU's SM clock and power draw while a benchmark times something: nvidia-smi sampled every few
-milliseconds by a thread, so that a table can say at what clock each cell was measured. The H100 lowers its
-clock under sustained power: on 2026-11-25 the same cuDNN kernel on the same inputs took 1-4% longer right
-after our forward than after cuDNN's, and cells of one run spread by up to 17% (docs/BENCHMARKS.md). The
-clock is read as it is; power.draw is the driver's own average (over up to a second on some GPUs), so a
-short cell's watts include its neighbours'. The energy counter (total_energy_consumption, mJ since the driver
-loaded) has no such lag: the energy a window used over its duration is its exact mean power, and a kernel's
-TFLOP/s over those watts is its work per joule, what decides its speed once the GPU runs at its power limit
-(at 32k every attention forward+backward measured did, 2026-11-25).
+"""The GPU's SM clock and power while a benchmark times something: NVML (the driver's libnvidia-ml, called
+through ctypes) read every few milliseconds by a thread, so that a table can say at what clock each cell was
+measured. The H100 lowers its clock at its 700 W power limit: on 2026-11-25 the same cuDNN kernel on the same
+inputs took 1-4% longer right after our forward than after cuDNN's, and cells of one run spread by up to 17%
+(docs/BENCHMARKS.md). The clock is read as it is; the power (nvmlDeviceGetPowerUsage, nvidia-smi's power.draw)
+is the driver's own average (over up to a second on some GPUs), so a short cell's watts include its
+neighbours'. The energy counter (nvmlDeviceGetTotalEnergyConsumption, mJ since the driver loaded) has no such
+lag: the energy a window used over its duration is its exact mean power, and a kernel's TFLOP/s over those
+watts is its work per joule, what decides its speed once the GPU runs at its power limit (at 32k every
+attention forward+backward measured did, 2026-11-25).
+
+NVML rather than nvidia-smi --loop-ms, whose output read with its errors discarded gave the H100 a table
+without a single sample and no reason (most likely a query field it refused). Here a failing NVML call raises,
+naming itself and its return code.
 
     with ClockSampler() as clocks:
         start = time.monotonic(); run(); end = time.monotonic()
@@ -14,68 +19,124 @@ TFLOP/s over those watts is its work per joule, what decides its speed once the 
 """
 from __future__ import annotations
 
-import shutil
+import contextlib
+import ctypes
 import statistics
-import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 
-QUERY = ("nvidia-smi", "--query-gpu=clocks.sm,power.draw,total_energy_consumption", "--format=csv,noheader,nounits")
+LIBRARY = "libnvidia-ml.so.1"    # NVML, installed with the NVIDIA driver (no pip package needed)
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_SUPPORTED = 3     # the energy counter's answer on GPUs without one (before Volta)
+NVML_CLOCK_SM = 1
+
+Reading = tuple[float, float, float | None]    # SM MHz, W, mJ since the driver loaded (None: no counter)
 
 
 def available() -> bool:
-    return shutil.which(QUERY[0]) is not None
+    """Whether NVML loads here; whether it initialises and reads the GPU, ClockSampler finds out, loudly."""
+    try:
+        _load(LIBRARY)
+    except RuntimeError:
+        return False
+    return True
 
 
-def parse_sample(line: str) -> tuple[float, float, float | None] | None:
-    """(SM MHz, W, mJ or None where the GPU has no energy counter) from one line of QUERY's output; None for
-    anything else ("[N/A]" clocks, a header, a message)."""
-    fields = [field.strip() for field in line.split(",")]
-    if len(fields) != 3:
-        return None
+def _load(library: str) -> ctypes.CDLL:
     try:
-        mhz, watts = float(fields[0]), float(fields[1])
-    except ValueError:
-        return None
+        nvml = ctypes.CDLL(library)
+    except OSError as error:
+        raise RuntimeError(f"cannot load {library} (NVML, installed with the NVIDIA driver): {error}") from error
+    nvml.nvmlErrorString.restype = ctypes.c_char_p
+    return nvml
+
+
+@contextlib.contextmanager
+def nvml_reader(gpu: str = "0", library: str = LIBRARY) -> Iterator[Callable[[], Reading]]:
+    """A function reading one GPU's (SM MHz, W, mJ or None), NVML initialised while the block runs. gpu: an NVML
+    index (the driver's numbering, which CUDA_VISIBLE_DEVICES does not change), a UUID ("GPU-…" or "MIG-…") or
+    a PCI bus id ("00000000:65:00.0"). Every failing call raises a RuntimeError naming it and its code."""
+    nvml = _load(library)
+
+    def check(function: str, code: int) -> None:
+        if code != NVML_SUCCESS:
+            raise RuntimeError(f"NVML's {function} returned {code} ({nvml.nvmlErrorString(code).decode()}) "
+                               f"for GPU {gpu!r}")
+
+    def call(function: str, *args) -> None:
+        check(function, getattr(nvml, function)(*args))
+
+    def read() -> Reading:
+        mhz, milliwatts, millijoules = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+        call("nvmlDeviceGetClockInfo", device, NVML_CLOCK_SM, ctypes.byref(mhz))
+        call("nvmlDeviceGetPowerUsage", device, ctypes.byref(milliwatts))
+        code = nvml.nvmlDeviceGetTotalEnergyConsumption(device, ctypes.byref(millijoules))
+        counted = code != NVML_ERROR_NOT_SUPPORTED
+        if counted:
+            check("nvmlDeviceGetTotalEnergyConsumption", code)
+        return float(mhz.value), milliwatts.value / 1000, float(millijoules.value) if counted else None
+
+    call("nvmlInit_v2")
     try:
-        return mhz, watts, float(fields[2])
-    except ValueError:
-        return mhz, watts, None
+        device = _device_handle(call, gpu)
+        yield read
+    finally:
+        nvml.nvmlShutdown()    # unchecked: the samples are taken, and raising here would hide the block's error
+
+
+def _device_handle(call: Callable, gpu: str) -> ctypes.c_void_p:
+    handle = ctypes.c_void_p()
+    if gpu.isdigit():
+        call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(int(gpu)), ctypes.byref(handle))
+    elif gpu.startswith(("GPU-", "MIG-")):
+        call("nvmlDeviceGetHandleByUUID", gpu.encode(), ctypes.byref(handle))
+    else:
+        call("nvmlDeviceGetHandleByPciBusId_v2", gpu.encode(), ctypes.byref(handle))
+    return handle
 
 
 class ClockSampler:
-    """Samples (time.monotonic(), SM MHz, W, mJ or None) from `command` (by default nvidia-smi, every interval_ms, on
-    one GPU) while the `with` block runs."""
+    """Samples (time.monotonic(), SM MHz, W, mJ or None) of one GPU while the `with` block runs: the first on
+    entering, which raises where NVML fails, then one every interval_ms (plus the read's own time) from a
+    thread. A read failing later ends the thread with its traceback on stderr; the windows after it then
+    hold no samples."""
 
-    def __init__(self, gpu: str = "0", interval_ms: int = 20, command: list[str] | None = None):
-        """gpu: as nvidia-smi's --id takes it (an index, a UUID, a PCI bus id)."""
-        self.command = command or [*QUERY, f"--id={gpu}", f"--loop-ms={interval_ms}"]
+    def __init__(self, gpu: str = "0", interval_ms: int = 20, reader: Callable[[], Reading] | None = None):
+        """gpu: as nvml_reader takes it (an index, a UUID, a PCI bus id). reader: what reads a sample, by default
+        NVML on that GPU (a stand-in for tests)."""
+        self.gpu, self.interval_s, self.reader = gpu, interval_ms / 1000, reader
         self.samples: list[tuple[float, float, float, float | None]] = []
-        self._process = self._reader = None
+        self._stop = self._thread = self._opened = None
 
     def __enter__(self) -> "ClockSampler":
-        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                         text=True, bufsize=1)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        with contextlib.ExitStack() as opened:
+            read = self.reader or opened.enter_context(nvml_reader(self.gpu))
+            self._sample(read)    # here, not in the thread, so that a failing read raises to the caller
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample_until_stopped, args=(read,), daemon=True)
+            self._thread.start()
+            self._opened = opened.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._process.terminate()
-        self._process.wait()
-        self._reader.join()
+        self._stop.set()
+        self._thread.join()
+        self._opened.close()
 
-    def _read(self) -> None:
-        for line in self._process.stdout:
-            sample = parse_sample(line)
-            if sample is not None:
-                self.samples.append((time.monotonic(), *sample))
+    def _sample_until_stopped(self, read: Callable[[], Reading]) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample(read)
+
+    def _sample(self, read: Callable[[], Reading]) -> None:
+        reading = read()
+        self.samples.append((time.monotonic(), *reading))
 
     def during(self, windows: list[tuple[float, float]]) -> tuple[float, float, int, float | None] | None:
         """Mean SM MHz and W of the samples taken inside any of the (start, end) windows, their count, and the
         mean W by the energy counter: the energy between each window's first and last sample over the time
         between them, summed over the windows (None without two counted samples in some window). None when
-        no sample lies inside (nvidia-smi missing or slower than the windows)."""
+        no sample lies inside (the windows shorter than the interval, or the sampling stopped)."""
         inside = [[sample for sample in self.samples if start <= sample[0] <= end] for start, end in windows]
         samples = [sample for window in inside for sample in window]
         if not samples:

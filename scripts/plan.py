@@ -21,6 +21,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
 from conf.schema.parallel import world_size  # noqa: E402
 from conf.validate import check_known_keys  # noqa: E402
+from offload.store import rebuilds_attention  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
@@ -62,7 +63,10 @@ def main(cfg) -> None:
     if plan.placements is not None:
         full = " f=full: every activation kept" if "full" in plan.placements else ""
         print("layer inputs:     ", " ".join(p[0] for p in plan.placements), f"(g=gpu h=host r=recomputed{full})")
-        print("attention outputs:", " ".join(p[0] for p in plan.attention), "(g=gpu h=host n=not kept)")
+        rebuilt = [rebuilds_attention(plan.placements, plan.attention, i) for i in range(len(plan.attention))]
+        print("attention outputs:", " ".join("b" if b else p[0] for p, b in zip(plan.attention, rebuilt)),
+              "(g=gpu h=host n=not kept" + (", b=kept by the forward that rebuilds the input above)" if any(rebuilt)
+                                            else ")"))
     sys.exit(0 if plan.fits else 1)
 
 

@@ -274,6 +274,38 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     assert ("attention", host_kept, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
 
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_backward(monkeypatch):
+    """Layer 1 runs again in the backward to rebuild layer 2's input; that run's attention output goes into
+    layer 1's own input buffer on the host (idle by then), and layer 1's recomputation replays it: one
+    attention forward less, no new buffer of that size, and its copy back starts in layer 1's backward, not
+    during layer 2's (whose peak has no room for it). Loss and gradients equal plain autograd's."""
+    import kernels.flash_attention as flash
+    from offload.store import REBUILT_LSE_KEY, input_key
+    kernels.set_backend("triton")
+    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    input_ids, labels = batch(seqlen=24)
+    reference = loss_and_grads(model, input_ids, labels)
+    events, forward_kernel, to_device = [], flash._attention_forward, None
+    monkeypatch.setattr(flash, "_attention_forward", lambda *a: events.append("attention") or forward_kernel(*a))
+    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"))
+    for index, layer in enumerate(model.get_base_model().model.layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: events.append(f"layer {index}"))
+    to_device = policy.engine.to_device
+    policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
+    assert_same(reference, loss_and_grads(model, input_ids, labels))
+
+    # 4 forwards, layer 3's recomputation, layer 1 rebuilding layer 2's input, layer 2's and 0's recomputation
+    assert events.count("attention") == 8
+    assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3), REBUILT_LSE_KEY}
+    layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
+    lse_buffer = policy.engine.pool.buffers[REBUILT_LSE_KEY].data_ptr()
+    backward = events[events.index("layer 3", 4):]      # from layer 3's recomputation on
+    assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
+        "layer 2", "attention", layer_1_buffer, lse_buffer, "layer 1"]
+    assert not policy.store.stored
+
+
 def test_full_layers_run_their_forward_once():
     """A full layer keeps its activations: the backward re-runs no full layer, while a checkpointed one runs
     again (and a recomputed input's layer below runs once more to rebuild it)."""
@@ -325,7 +357,8 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
 @pytest.mark.parametrize("placements, attention", [
     (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"]),
     (["full", "host", "recompute", "full"], ["none", "host", "none", "none"]),
-], ids=["checkpointed", "with-full-layers"])
+    (["gpu", "host", "recompute", "host"], ["none"] * 4),     # layer 1 keeps the attention of its rebuilding run
+], ids=["checkpointed", "with-full-layers", "rebuilt-attention"])
 @pytest.mark.parametrize("attention_kernel", ["flash", "cudnn"])
 def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_kernel):
     from kernels import cudnn_attention

@@ -15,7 +15,7 @@ from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pin
 from offload.engine import CopyEngine
 from offload.placement import FULLEST_MOMENT, GpuRoom
 from offload.plan import layer_parameters, plan_memory
-from offload.store import LayerInputStore
+from offload.store import LayerInputStore, rebuilds_attention
 from offload.units import GIB
 
 LLAMA3_8B = LlamaConfig()
@@ -150,10 +150,17 @@ def test_long_sequences_offload_and_fit_the_h100(seq_len):
 
 
 def test_524k_recomputes_what_the_host_cannot_hold():
-    placements = plan(524288).placements
+    long = plan(524288)
+    placements = long.placements
     assert placements.count("recompute") > 0
     assert all(placements[i - 1] != "recompute" for i, p in enumerate(placements) if p == "recompute")
     assert placements[0] != "recompute"
+    # The layers below rebuild the recomputed inputs and keep that forward's attention (its output in their
+    # own input's host buffer): the plan counts the one lse buffer they share, nothing on the GPU.
+    assert all(rebuilds_attention(placements, long.attention, i - 1) for i, p in enumerate(placements)
+               if p == "recompute")
+    assert long.host["pinned rebuilt attention lse"] == pinned_size(524288 * 32 * 4)
+    assert "pinned rebuilt attention lse" not in plan(131072).host
 
 
 def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
