@@ -22,7 +22,8 @@ the median over the rounds with its spread (max - min, in % of the median): the 
 temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
 `--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler);
 `--clocks`, the mean SM clock, the mean power by the energy counter and the work per joule (TFLOP/J) while each
-cell was timed (NVML, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed.
+cell was timed (NVML, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed. The
+energy counter moves in steps too coarse for cells of do_bench's default 0.1 s: give `--rep-ms 1000` with it.
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def step_fn(fn, q, k, v, backward: bool):
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out)
 
 
-def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None) -> list:
+def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None, rep_ms: int = 100) -> list:
     """Time every contender's forward and forward+backward once per round, in turn, and report the median
     over the rounds with its spread (and, with a gpu_clocks.ClockSampler, the clock and power while it was
     timed). contenders: [(name, fn)]; a backend that refuses this shape is reported, not fatal. Returns the
@@ -105,7 +106,7 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None) 
                 try:
                     step = step_fn(fn, *inputs, backward)
                     start = time.monotonic()
-                    times[name, backward].append(triton.testing.do_bench(step, warmup=25, rep=100,
+                    times[name, backward].append(triton.testing.do_bench(step, warmup=25, rep=rep_ms,
                                                                          return_mode="median"))
                     windows[name, backward].append((start, time.monotonic()))
                 except Exception as error:
@@ -169,7 +170,8 @@ def first_call_seconds(q, k, v) -> float:
     return time.perf_counter() - start
 
 
-def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool, clocks=None):
+def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool, clocks=None,
+                 rep_ms: int = 100):
     print(f"S={seqlen}", flush=True)
     inputs = make_inputs(seqlen)
     print(f"  first fwd+bwd call (tuning + compiling unless cached): {first_call_seconds(*inputs):.1f} s", flush=True)
@@ -182,7 +184,7 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
                            lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
     contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]
-    ran = measure(contenders, inputs, [seqlen], results, rounds, clocks)
+    ran = measure(contenders, inputs, [seqlen], results, rounds, clocks, rep_ms)
     print("  tuned:", fa.tuned_configs(), flush=True)
     if profile:
         for name, fn in ran:
@@ -199,7 +201,7 @@ def as_batch(fn, num_docs: int):
 
 
 def bench_packed(num_docs: int, doc_len: int, peers: list[str], results, rounds: int, profile: bool,
-                 clocks=None):
+                 clocks=None, rep_ms: int = 100):
     total = num_docs * doc_len
     print(f"packed: {num_docs} x {doc_len} documents in one {total}-token row", flush=True)
     inputs = make_inputs(total)
@@ -220,7 +222,7 @@ def bench_packed(num_docs: int, doc_len: int, peers: list[str], results, rounds:
         contenders.append((f"sdpa cuDNN as a batch of {num_docs}",
                            as_batch(sdpa(SDPBackend.CUDNN_ATTENTION), num_docs)))
     contenders.append(("packed flex doc-causal", flex(block_mask)))
-    ran = measure(contenders, inputs, [doc_len] * num_docs, results, rounds, clocks)
+    ran = measure(contenders, inputs, [doc_len] * num_docs, results, rounds, clocks, rep_ms)
     if profile:
         for name, fn in ran:
             profile_kernels(name, fn, inputs)
@@ -233,6 +235,8 @@ def main():
     parser.add_argument("--peers", nargs="*", choices=["flash", "cudnn", "flex"], default=["flash", "cudnn", "flex"])
     parser.add_argument("--no-packed", action="store_true", help="skip the packed-documents case")
     parser.add_argument("--rounds", type=int, default=5, help="timings of each contender, taken in turn")
+    # The energy counter moves in steps too coarse for 0.1 s cells (docs/BENCHMARKS.md): --clocks wants 1000+.
+    parser.add_argument("--rep-ms", type=int, default=100, help="milliseconds each timing of a cell lasts")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time of each kernel of every contender's fwd+bwd")
     parser.add_argument("--clocks", action="store_true",
@@ -240,6 +244,8 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rep_ms < 1:
+        parser.error(f"--rep-ms must be at least 1, got {args.rep_ms}")
     if args.clocks and not gpu_clocks.available():
         parser.error("--clocks needs NVML (libnvidia-ml.so.1, installed with the NVIDIA driver)")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -247,10 +253,10 @@ def main():
     sampler = gpu_clocks.ClockSampler(_gpu_id()) if args.clocks else contextlib.nullcontext()
     with sampler as clocks:
         for seqlen in args.seqlens:
-            bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks)
+            bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms)
             torch.cuda.empty_cache()
         if not args.no_packed:
-            bench_packed(*args.packed, args.peers, results, args.rounds, args.profile, clocks)
+            bench_packed(*args.packed, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms)
     print(f"\n{args.rounds} rounds; each cell the median, ± the spread (max - min) in % of it")
     print("| case | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n|---|---|---|---|---|")
     for name, row in results:
