@@ -129,6 +129,11 @@ class Shape:
         return self.tokens * heads * self.arch.head_dim * self.act_bytes, self.tokens * heads * 4
 
     @property
+    def output_fits_input_slot(self) -> bool:         # true of Llamas: heads * head_dim == hidden_size
+        """Whether an attention output fits a layer input's pinned buffer (offload.store.rebuilds_attention)."""
+        return self.attention_output[0] <= self.activation
+
+    @property
     def attention_bytes(self) -> int:                 # one layer's kept attention, on the device
         return sum(self.attention_output)
 

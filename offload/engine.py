@@ -100,8 +100,9 @@ class CopyStats:
 
 
 class CopyEngine:
-    """One side stream for all copies (each direction runs in its own phase: D2H in the forward, H2D in
-    the backward), so copies overlap compute and stay ordered among themselves."""
+    """One side stream for all copies (D2H mostly in the forward, H2D in the backward, where a layer's
+    rebuilding forward also copies its attention output out), so copies overlap compute and stay ordered among
+    themselves."""
 
     def __init__(self, device: torch.device, timed: bool = True):
         self.device = device

@@ -173,8 +173,9 @@ class OffloadedCheckpoint(torch.autograd.Function):
         policy.store.check_owner(index, ctx.token)
         replay = policy.store.replay_state(index)
         want_input_grad = ctx.needs_input_grad[1]
-        # Started by the layer above, except in the first backward: start it here, ahead of the prefetch of
-        # the input below, which the compute stream would otherwise wait for too.
+        # Started by the layer above where the plan has room for it there; otherwise (the first backward, a
+        # recomputed input's own output, a rebuilt one) here, ahead of the prefetch of the input below, which
+        # the compute stream would otherwise wait for too.
         policy.store.prefetch_attention(index)
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
         tape = policy.store.take_attention(index)
@@ -233,7 +234,7 @@ class MemoryPolicy:
             if self.store.attention[index] == "host":
                 for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
-            if self.store.rebuilds_attention(index):       # one buffer for all of them
+            if self.store.rebuilds_attention(index) and shape.output_fits_input_slot:   # one buffer for all
                 self.engine.pool.get(REBUILT_LSE_KEY, shape.attention_output[1])
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:

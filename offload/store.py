@@ -72,6 +72,13 @@ def rebuilds_attention(placements: list[str], attention: list[str], index: int) 
             and placements[index + 1:index + 2] == ["recompute"])
 
 
+def copied_back_ahead(placements: list[str], attention: list[str], index: int) -> bool:
+    """Whether layer `index`'s host-kept attention output is copied back during the backward of the layer
+    above, into a GPU slot the plan counts there. A recomputed input's own output is not: its copy back
+    starts in its own backward, hidden behind the forward that rebuilds its input, and needs no such slot."""
+    return attention[index] == "host" and placements[index] != "recompute"
+
+
 Payload = torch.Tensor | HostCopy | PendingTensor
 
 
@@ -205,10 +212,11 @@ class LayerInputStore:
 
     def prefetch_attention(self, index: int, ahead: bool = False) -> None:
         """Start copying back layer `index`'s kept attention outputs (its backward comes next). `ahead`: asked
-        during the backward of the layer above, which leaves rebuilt ones to their own layer's backward: the
-        plan counts no GPU room for them in the layer above's (its peak)."""
+        during the backward of the layer above, which copies back only those the plan counts GPU room for
+        there (`copied_back_ahead`), not rebuilt ones either: the others wait for their own layer's backward."""
         record = self.stored.get(index)
-        if record is not None and not (ahead and record.rebuilt_attention):
+        if record is not None and not (ahead and (record.rebuilt_attention
+                                                  or not copied_back_ahead(self.placements, self.attention, index))):
             record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:

@@ -63,7 +63,8 @@ def main(cfg) -> None:
     if plan.placements is not None:
         full = " f=full: every activation kept" if "full" in plan.placements else ""
         print("layer inputs:     ", " ".join(p[0] for p in plan.placements), f"(g=gpu h=host r=recomputed{full})")
-        rebuilt = [rebuilds_attention(plan.placements, plan.attention, i) for i in range(len(plan.attention))]
+        rebuilt = [plan.shape.output_fits_input_slot and rebuilds_attention(plan.placements, plan.attention, i)
+                   for i in range(len(plan.attention))]
         print("attention outputs:", " ".join("b" if b else p[0] for p, b in zip(plan.attention, rebuilt)),
               "(g=gpu h=host n=not kept" + (", b=kept by the forward that rebuilds the input above)" if any(rebuilt)
                                             else ")"))

@@ -9,7 +9,7 @@ from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.engine import ALIGNMENT, CopyEngine
 from offload.policy import apply_memory_policy
-from offload.store import LayerInputStore
+from offload.store import REBUILT_LSE_KEY, LayerInputStore, attention_key, input_key
 from trainer.build import apply_lora
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
@@ -281,7 +281,6 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
     attention forward less, no new buffer of that size, and its copy back starts in layer 1's backward, not
     during layer 2's (whose peak has no room for it). Loss and gradients equal plain autograd's."""
     import kernels.flash_attention as flash
-    from offload.store import REBUILT_LSE_KEY, input_key
     kernels.set_backend("triton")
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=24)
@@ -300,9 +299,39 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
     assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3), REBUILT_LSE_KEY}
     layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
     lse_buffer = policy.engine.pool.buffers[REBUILT_LSE_KEY].data_ptr()
-    backward = events[events.index("layer 3", 4):]      # from layer 3's recomputation on
+    backward = events[events.index("layer 3", 7):]      # from layer 3's recomputation on (8 forward events)
     assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
         "layer 2", "attention", layer_1_buffer, lse_buffer, "layer 1"]
+    assert not policy.store.stored
+
+
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_backward(monkeypatch):
+    """Layer 2's input is recomputed and its attention output kept on the host (the planner's pairs past the
+    host's room): its recomputation replays it, as layer 1's replays its rebuilding run's, so the backward
+    runs attention forwards for layers 3, 1 (rebuilding) and 0 only. Its copy back starts in its own
+    backward, where the rebuilding forward hides it, not in layer 3's, whose peak has no room for it."""
+    import kernels.flash_attention as flash
+    kernels.set_backend("triton")
+    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    input_ids, labels = batch(seqlen=24)
+    reference = loss_and_grads(model, input_ids, labels)
+    events, forward_kernel = [], flash._attention_forward
+    monkeypatch.setattr(flash, "_attention_forward", lambda *a: events.append("attention") or forward_kernel(*a))
+    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
+                                 attention=["none", "none", "host", "none"])
+    for index, layer in enumerate(model.get_base_model().model.layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: events.append(f"layer {index}"))
+    to_device = policy.engine.to_device
+    policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
+    assert_same(reference, loss_and_grads(model, input_ids, labels))
+
+    assert events.count("attention") == 7
+    output_2 = policy.engine.pool.buffers[attention_key(2, 0, 0)].data_ptr()
+    backward = events[events.index("layer 3", 7):]
+    assert backward.index(output_2) > backward.index("attention")           # after layer 3's recomputation
+    assert backward.index(output_2) < backward.index("layer 1")             # before the rebuilding forward
+    assert backward[backward.index("layer 1"):backward.index("layer 2")] == ["layer 1", "attention"]
     assert not policy.store.stored
 
 
@@ -378,6 +407,7 @@ def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_
             ref = reference[1][name]
             assert float((grad - ref).norm() / ref.norm()) < 2e-2, name
     assert policy.stats()["offload/pinned_gib"] > 0
+    assert (REBUILT_LSE_KEY in policy.engine.pool.buffers) == (attention == ["none"] * 4), "layer 1 rebuilt"
 
 
 def test_lora_wraps_every_projection_and_freezes_the_base():

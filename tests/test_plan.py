@@ -13,7 +13,7 @@ from conf.schema.memory import MemoryConfig, check_memory
 from model import LlamaConfig
 from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
 from offload.engine import CopyEngine
-from offload.placement import FULLEST_MOMENT, GpuRoom
+from offload.placement import FULLEST_MOMENT, GpuRoom, backward_attention_forwards
 from offload.plan import layer_parameters, plan_memory
 from offload.store import LayerInputStore, rebuilds_attention
 from offload.units import GIB
@@ -185,10 +185,19 @@ def test_a_gpu_slot_is_freed_for_prefetching_attention_outputs_when_inputs_fill_
     assert kept.count("gpu") < without.count("gpu") and kept.count("recompute") == without.count("recompute") == 0
 
 
-def test_no_attention_output_is_kept_at_the_cost_of_recomputing_inputs():
+def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_would_go():
+    """Past the host's room, more inputs are recomputed, each keeping its attention output in the host room its
+    input would take: with the layers below keeping their rebuilding run's, fewer attention forwards run in
+    the backward, at the same GPU peak and no more pinned memory than the pinnable share."""
+    without = plan(524288, MemoryConfig(kept_attention_layers=0))
     long = plan(524288)
-    assert long.attention == ["none"] * 32
-    assert long.placements == plan(524288, MemoryConfig(kept_attention_layers=0)).placements
+    assert long.fits and long.gpu_peak == without.gpu_peak and "attention output prefetch" not in long.gpu
+    assert long.count("recompute") > without.count("recompute") > 0
+    kept = [i for i, output in enumerate(long.attention) if output != "none"]
+    assert kept and all(long.placements[i] == "recompute" and long.attention[i] == "host" for i in kept)
+    assert (backward_attention_forwards(long.placements, long.attention)
+            == backward_attention_forwards(without.placements, without.attention) - len(kept))
+    assert backward_attention_forwards(without.placements, without.attention) == 32    # one per layer
 
 
 def test_kept_attention_layers_is_obeyed():
