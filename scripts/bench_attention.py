@@ -131,17 +131,8 @@ def measure(contenders, inputs, doc_lengths, results, rounds: int, clocks=None, 
 
 
 def _clock_note(clock, clocks, tflops: float) -> str:
-    """" @ MHz W TFLOP/J" of a cell timed under a sampler (the watts and the work per joule by the energy
-    counter; where the GPU has none, power.draw's watts); what happened when nothing was sampled; "" without
-    a sampler."""
-    if clocks is None:
-        return ""
-    if not clock:
-        return " @ no clock samples"
-    mhz, draw_watts, _, energy_watts = clock
-    if energy_watts is None:
-        return f" @ {mhz:.0f} MHz {draw_watts:.0f} W (power.draw)"
-    return f" @ {mhz:.0f} MHz {energy_watts:.0f} W {tflops / energy_watts:.3f} TFLOP/J"
+    """gpu_clocks.describe of a cell timed under a sampler; "" without one."""
+    return gpu_clocks.describe(clock, tflops) if clocks is not None else ""
 
 
 def profile_kernels(name: str, fn, inputs, steps: int = 3) -> None:
@@ -250,7 +241,7 @@ def main():
         parser.error("--clocks needs NVML (libnvidia-ml.so.1, installed with the NVIDIA driver)")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     results = []
-    sampler = gpu_clocks.ClockSampler(_gpu_id()) if args.clocks else contextlib.nullcontext()
+    sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if args.clocks else contextlib.nullcontext()
     with sampler as clocks:
         for seqlen in args.seqlens:
             bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms)
@@ -263,11 +254,6 @@ def main():
         cells = [f"{row[k][0]:.2f} | {row[k][1]:.0f} ±{row[k][2]:.1f}%{_clock_note(row[k][3], clocks, row[k][1])}"
                  if row.get(k) else "failed | -" for k in ("fwd", "fwd+bwd")]
         print(f"| {name} | " + " | ".join(cells) + " |")
-
-
-def _gpu_id() -> str:
-    """This process's GPU as NVML takes it (its UUID: CUDA_VISIBLE_DEVICES may renumber the GPUs)."""
-    return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
 
 
 if __name__ == "__main__":

@@ -145,6 +145,25 @@ class ClockSampler:
                 len(samples), _energy_watts(inside))
 
 
+def current_gpu() -> str:
+    """This process's CUDA device as NVML takes it: its UUID (CUDA_VISIBLE_DEVICES may renumber the GPUs, and
+    NVML's numbering ignores it)."""
+    import torch      # only here: the sampler itself needs NVML alone
+    return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+
+
+def describe(clock: tuple | None, tflops: float) -> str:
+    """" @ MHz W TFLOP/J" for what ClockSampler.during returned over work done at `tflops` (the watts and the
+    work per joule by the energy counter; where the GPU has none, the power reading's watts alone), or what
+    happened when nothing was sampled."""
+    if not clock:
+        return " @ no clock samples"
+    mhz, power_watts, _, energy_watts = clock
+    if energy_watts is None:
+        return f" @ {mhz:.0f} MHz {power_watts:.0f} W (power reading, no energy counter)"
+    return f" @ {mhz:.0f} MHz {energy_watts:.0f} W {tflops / energy_watts:.3f} TFLOP/J"
+
+
 def _energy_watts(windows: list[list[tuple]]) -> float | None:
     joules = seconds = 0.0
     for window in windows:

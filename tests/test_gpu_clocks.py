@@ -150,3 +150,10 @@ def test_without_nvml_nothing_is_available_and_a_sampler_raises(monkeypatch):
 def test_with_nvml_loading_it_is_available(monkeypatch):
     _install(monkeypatch, FakeNvml())
     assert gpu_clocks.available()
+
+
+def test_describe_gives_the_energy_counters_watts_and_work_per_joule_or_says_what_is_missing():
+    assert gpu_clocks.describe((1500.0, 650.0, 40, 700.0), 560.0) == " @ 1500 MHz 700 W 0.800 TFLOP/J"
+    assert gpu_clocks.describe((1500.0, 650.0, 40, None), 560.0) == (
+        " @ 1500 MHz 650 W (power reading, no energy counter)")
+    assert gpu_clocks.describe(None, 560.0) == " @ no clock samples"

@@ -4,7 +4,10 @@ replacement must match exactly once, so a variant that no longer fits the kernel
 variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed 16 x 4k (B = 1, 32/8
 heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
 
-    python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...]
+    python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
+
+`--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at 32k our
+backward spent 22% more energy than cuDNN's in the same time (docs/BENCHMARKS.md).
 
 The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md); a new idea is one more entry in
 VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and cast, not the
@@ -12,6 +15,7 @@ delta kernel)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
 import tempfile
@@ -23,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from kernels import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
 from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
+from scripts import gpu_clocks  # noqa: E402
 
 SOURCE = (ROOT / "kernels" / "flash_attention_hopper_backward.py").read_text()
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -126,7 +131,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int) -> None:
+def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int, sampler=None) -> None:
     args = inputs(*case)
     call = lambda module: module.attention_backward(*args, True, SCALE, SCALE * fa.LOG2E)
     base = call(modules["kernel"])
@@ -134,23 +139,26 @@ def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int) -> 
         if name != "kernel":
             print(f"{label} {name}: rel diff dq dk dv", [f"{rel_diff(a, b):.1e}" for a, b in zip(call(module), base)])
     time_in_turn(label, {name: (lambda module=module: call(module)) for name, module in modules.items()},
-                 backward_flops(*case[:2]), rounds, reps)
+                 backward_flops(*case[:2]), rounds, reps, sampler)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)}; all of them if none")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--meter", action="store_true", help="clock, power and TFLOP/J of each (NVML)")
     args = parser.parse_args()
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         parser.error(f"no variant {sorted(unknown)}; there are {list(VARIANTS)}")
     fa.ensure_allocator(torch.device("cuda"))
-    with tempfile.TemporaryDirectory() as folder:
+    sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if args.meter else None
+    with tempfile.TemporaryDirectory() as folder, sampler or contextlib.nullcontext():
         modules = {"kernel": load("kernel", SOURCE, Path(folder))}
         modules.update({name: load(name, variant_source(name), Path(folder)) for name in args.variants or VARIANTS})
         for label in args.cases:
-            run_case(label, CASES[label], modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20)
+            run_case(label, CASES[label], modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20,
+                     sampler=sampler)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,23 @@
 """The experiments' timer: callables timed in turn, round after round, on the GPU (its clock drifts with
 temperature and power: timed one after another, the same kernel once ranked 11% apart), each one's median
-printed with its spread (max - min, in % of the median)."""
+printed with its spread (max - min, in % of the median), and with a scripts.gpu_clocks.ClockSampler its clock,
+mean power and work per joule."""
 from __future__ import annotations
 
+import math
 import statistics
+import sys
+import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts import gpu_clocks  # noqa: E402
+
+# NVML's energy counter moves in steps too coarse for shorter timings (docs/BENCHMARKS.md: 820 W read over
+# 0.13 s cells at a 700 W limit).
+METERED_MS = 1000
 
 
 def milliseconds(call, reps: int) -> float:
@@ -19,13 +31,21 @@ def milliseconds(call, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def time_in_turn(label: str, calls: dict, flops: float, rounds: int, reps: int) -> None:
-    """calls: {name: a function of no arguments}, each timed `reps` calls at a time (`milliseconds`)."""
+def time_in_turn(label: str, calls: dict, flops: float, rounds: int, reps: int, sampler=None) -> None:
+    """calls: {name: a function of no arguments}, each timed `reps` calls at a time (`milliseconds`); under a
+    running gpu_clocks.ClockSampler, enough calls at a time for METERED_MS, and their energy reported."""
+    if sampler is not None:
+        reps = max(reps, *(math.ceil(METERED_MS / milliseconds(call, 1)) for call in calls.values()))
     times = {name: [] for name in calls}
+    windows = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            start = time.monotonic()
             times[name].append(milliseconds(call, reps))
+            windows[name].append((start, time.monotonic()))
     for name, runs in times.items():
         ms = statistics.median(runs)
-        print(f"{label:20s} {name:14s} {ms:8.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s"
-              f"  spread {100 * (max(runs) - min(runs)) / ms:.1f}%", flush=True)
+        tflops = flops / ms / 1e9
+        meter = gpu_clocks.describe(sampler.during(windows[name]), tflops) if sampler is not None else ""
+        print(f"{label:20s} {name:14s} {ms:8.3f} ms {tflops:5.0f} TFLOP/s"
+              f"  spread {100 * (max(runs) - min(runs)) / ms:.1f}%{meter}", flush=True)
