@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from conf.errors import ConfigError
-from offload.byte_model import Shape, pinned_size
+from offload.byte_model import Shape, pinned_size, projection_shapes
 from offload.store import copied_back_ahead, rebuilds_attention
 
 
@@ -100,23 +100,41 @@ def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, h
         candidates.append(_recomputing_for_outputs(shape, room, host_room, candidates[0]))
 
     def rank(kept: KeptLayers) -> tuple:
-        # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then fewest
-        # attention forwards in the backward, fewest recomputed inputs, most kept attention outputs; min() keeps
-        # the first (no reserve) on ties.
+        # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then the
+        # least recomputation, fewest recomputed inputs, most kept attention outputs; min() keeps the first (no
+        # reserve) on ties.
         overflows = sum(kept.gpu.values()) > room.bytes or sum(kept.host.values()) > host_room
-        return (overflows, backward_attention_forwards(kept.placements, kept.attention),
+        return (overflows, recompute_flops(shape, kept.placements, kept.attention),
                 kept.placements.count("recompute"), kept.attention.count("none"))
 
     return min(candidates, key=rank)
 
 
-def backward_attention_forwards(placements: list[str], attention: list[str]) -> int:
-    """The attention forwards a step's backward runs: one per checkpointed layer whose output is not kept (in
-    its recomputation, or for a layer that rebuilds the input above, in that rebuilding run, which its
-    recomputation replays), and one per rebuilding layer whose output is kept (the rebuild runs it anyway)."""
-    not_kept = sum(p != "full" and a == "none" for p, a in zip(placements, attention))
-    rebuilding_kept = sum(a != "none" and placements[i + 1:i + 2] == ["recompute"] for i, a in enumerate(attention))
-    return not_kept + rebuilding_kept
+def rebuilding_keeps(shape: Shape, placements: list[str], attention: list[str], index: int) -> bool:
+    """offload.store.rebuilds_attention where the attention output fits the input buffer it goes to (a
+    Llama's does; the store keeps nothing otherwise)."""
+    return shape.output_fits_input_slot and rebuilds_attention(placements, attention, index)
+
+
+def backward_attention_forwards(shape: Shape, placements: list[str], attention: list[str]) -> int:
+    """The attention forwards a step's backward runs: one in each checkpointed layer's recomputation that
+    replays no kept output (its own, or its rebuilding run's: `rebuilding_keeps`), and one in each run that
+    rebuilds a recomputed input."""
+    replays = [a != "none" or rebuilding_keeps(shape, placements, attention, i) for i, a in enumerate(attention)]
+    return (sum(p != "full" and not replayed for p, replayed in zip(placements, replays))
+            + placements.count("recompute"))
+
+
+def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -> float:
+    """What a plan's backward recomputes beyond one forward of each checkpointed layer without its attention:
+    its attention forwards (causal, over the whole row) and the rest of each rebuilding run. Trading an input
+    for an attention output pays from about 50k tokens on (the attention forward of a Llama-3-8B layer then
+    costs what the rest of the layer does)."""
+    arch, tokens = shape.arch, shape.tokens
+    attention_forward = 2.0 * tokens * tokens * arch.head_dim * arch.num_attention_heads
+    rest_of_layer = 2.0 * tokens * sum(i * o for i, o in projection_shapes(arch).values())
+    return (backward_attention_forwards(shape, placements, attention) * attention_forward
+            + placements.count("recompute") * rest_of_layer)
 
 
 def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers) -> KeptLayers:
@@ -127,10 +145,12 @@ def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: 
     3.5 s). As many as the host and GPU hold; `base` itself when none fits."""
     layers, on_gpu = len(base.placements), base.placements.count("gpu")
     recomputed = base.placements.count("recompute")
+    if not recomputed:
+        return base
     best = base
-    for extra in range(1, max_recomputed(layers, on_gpu) - recomputed + 1 if recomputed else 1):
+    for extra in range(1, max_recomputed(layers, on_gpu) - recomputed + 1):
         placements = _placements(layers, on_gpu, recomputed + extra)
-        outputs = [i for i in _recomputable(layers, on_gpu)[:recomputed + extra]][:extra]     # from the top
+        outputs = _recomputable(layers, on_gpu)[:extra]     # from the top
         attention = ["host" if i in outputs else "none" for i in range(layers)]
         gpu, host = _layer_bytes(shape, placements, attention, 0, room)
         if sum(gpu.values()) > room.bytes or sum(host.values()) > host_room:
@@ -195,8 +215,7 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
         gpu["attention output prefetch"] = b
     if "host" in attention:
         host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
-    if shape.output_fits_input_slot and any(rebuilds_attention(placements, attention, index)
-                                            for index in range(len(placements))):
+    if any(rebuilding_keeps(shape, placements, attention, index) for index in range(len(placements))):
         host["pinned rebuilt attention lse"] = pinned_size(shape.attention_output[1])
     if "full" in placements:
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes

@@ -27,6 +27,7 @@ from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
+from offload.placement import rebuilding_keeps
 from offload.store import REBUILT_LSE_KEY, LayerInputStore, ReplayState, attention_key, input_key
 
 
@@ -173,10 +174,6 @@ class OffloadedCheckpoint(torch.autograd.Function):
         policy.store.check_owner(index, ctx.token)
         replay = policy.store.replay_state(index)
         want_input_grad = ctx.needs_input_grad[1]
-        # Started by the layer above where the plan has room for it there; otherwise (the first backward, a
-        # recomputed input's own output, a rebuilt one) here, ahead of the prefetch of the input below, which
-        # the compute stream would otherwise wait for too.
-        policy.store.prefetch_attention(index)
         hidden = policy.layer_input(index, ctx.rope, ctx.cu_seqlens).detach().requires_grad_(want_input_grad)
         tape = policy.store.take_attention(index)
         policy.store.prefetch_attention(index - 1, ahead=True)
@@ -234,7 +231,7 @@ class MemoryPolicy:
             if self.store.attention[index] == "host":
                 for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
-            if self.store.rebuilds_attention(index) and shape.output_fits_input_slot:   # one buffer for all
+            if rebuilding_keeps(shape, self.store.placements, self.store.attention, index):   # one for all
                 self.engine.pool.get(REBUILT_LSE_KEY, shape.attention_output[1])
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
@@ -262,7 +259,11 @@ class MemoryPolicy:
         """Layer `index`'s input for its backward: fetched, or rebuilt by re-running the layer below."""
         source = self.store.source(index)
         hidden = self.store.take(source)        # its copy first: the compute stream waits for it alone
-        self.store.prefetch_below(source)       # then the next one, overlapping this layer's backward
+        # Then this layer's kept attention outputs where the layer above did not start their copy (the plan has
+        # room for them there, `copied_back_ahead`, or not: the first backward, a recomputed input's own, a
+        # rebuilt one), ahead of the input below, which the compute stream would otherwise wait for too.
+        self.store.prefetch_attention(index)
+        self.store.prefetch_below(source)       # then the next input, overlapping this layer's backward
         if source == index:
             return hidden
         with torch.no_grad(), self.store.replay_state(source).replay():

@@ -122,7 +122,6 @@ class StoredInput:
     # The layer's (out, lse) attention payloads, when its attention placement keeps them (or its rebuilding
     # forward did: `rebuilds_attention`).
     attention: list[tuple[Payload, Payload]] = field(default_factory=list)
-    rebuilt_attention: bool = False
 
 
 class LayerInputStore:
@@ -198,9 +197,7 @@ class LayerInputStore:
         out, lse = tape.saved[0]
         out_host = self.engine.into_existing(input_key(index), out)
         if out_host is not None:
-            record = self.stored[index]
-            record.attention = [(out_host, self.engine.to_host(REBUILT_LSE_KEY, lse))]
-            record.rebuilt_attention = True
+            self.stored[index].attention = [(out_host, self.engine.to_host(REBUILT_LSE_KEY, lse))]
 
     def take_attention(self, index: int) -> AttentionTape | None:
         """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""
@@ -213,10 +210,10 @@ class LayerInputStore:
     def prefetch_attention(self, index: int, ahead: bool = False) -> None:
         """Start copying back layer `index`'s kept attention outputs (its backward comes next). `ahead`: asked
         during the backward of the layer above, which copies back only those the plan counts GPU room for
-        there (`copied_back_ahead`), not rebuilt ones either: the others wait for their own layer's backward."""
+        there (`copied_back_ahead`; rebuilt ones, whose placement is "none", are not): the others wait for their
+        own layer's backward."""
         record = self.stored.get(index)
-        if record is not None and not (ahead and (record.rebuilt_attention
-                                                  or not copied_back_ahead(self.placements, self.attention, index))):
+        if record is not None and not (ahead and not copied_back_ahead(self.placements, self.attention, index)):
             record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:

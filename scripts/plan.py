@@ -21,7 +21,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
 from conf.schema.parallel import world_size  # noqa: E402
 from conf.validate import check_known_keys  # noqa: E402
-from offload.store import rebuilds_attention  # noqa: E402
+from offload.placement import rebuilding_keeps  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
@@ -63,8 +63,7 @@ def main(cfg) -> None:
     if plan.placements is not None:
         full = " f=full: every activation kept" if "full" in plan.placements else ""
         print("layer inputs:     ", " ".join(p[0] for p in plan.placements), f"(g=gpu h=host r=recomputed{full})")
-        rebuilt = [plan.shape.output_fits_input_slot and rebuilds_attention(plan.placements, plan.attention, i)
-                   for i in range(len(plan.attention))]
+        rebuilt = [rebuilding_keeps(plan.shape, plan.placements, plan.attention, i) for i in range(len(plan.attention))]
         print("attention outputs:", " ".join("b" if b else p[0] for p, b in zip(plan.attention, rebuilt)),
               "(g=gpu h=host n=not kept" + (", b=kept by the forward that rebuilds the input above)" if any(rebuilt)
                                             else ")"))

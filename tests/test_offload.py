@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import kernels
 from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
+from offload.byte_model import Shape
 from offload.engine import ALIGNMENT, CopyEngine
+from offload.placement import backward_attention_forwards
 from offload.policy import apply_memory_policy
 from offload.store import REBUILT_LSE_KEY, LayerInputStore, attention_key, input_key
 from trainer.build import apply_lora
@@ -214,6 +216,12 @@ def test_backward_fetches_its_own_input_before_prefetching_the_next():
     assert host_to_device_copy_layers(policy, model, input_ids, labels) == [3, 2, 1, 0]
 
 
+def planned_backward_forwards(model, seqlen: int, policy) -> int:
+    """The planner's count of the attention forwards a step's backward runs, for the policy's layout."""
+    shape = Shape(model.get_base_model().config, 2 * seqlen, 4)
+    return backward_attention_forwards(shape, policy.store.placements, policy.store.attention)
+
+
 def host_to_device_copy_layers(policy, model, input_ids, labels) -> list[int]:
     """The layer of each host-to-device copy of one training step, in the order the copies were started."""
     copied, to_device = [], policy.engine.to_device
@@ -269,7 +277,7 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     monkeypatch.setattr(flash, "_attention_forward", lambda *a: launched.append(1) or forward_kernel(*a))
     policy = apply_memory_policy(model, placements, 2, torch.device("cpu"), attention=attention)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
-    assert len(launched) == launches
+    assert len(launched) == launches == 4 + planned_backward_forwards(model, 24, policy)
     assert not policy.store.stored
     assert ("attention", host_kept, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
@@ -295,7 +303,7 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
     assert_same(reference, loss_and_grads(model, input_ids, labels))
 
     # 4 forwards, layer 3's recomputation, layer 1 rebuilding layer 2's input, layer 2's and 0's recomputation
-    assert events.count("attention") == 8
+    assert events.count("attention") == 8 == 4 + planned_backward_forwards(model, 24, policy)
     assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3), REBUILT_LSE_KEY}
     layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
     lse_buffer = policy.engine.pool.buffers[REBUILT_LSE_KEY].data_ptr()
@@ -326,9 +334,10 @@ def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_ba
     policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
 
-    assert events.count("attention") == 7
+    assert events.count("attention") == 7 == 4 + planned_backward_forwards(model, 24, policy)
     output_2 = policy.engine.pool.buffers[attention_key(2, 0, 0)].data_ptr()
     backward = events[events.index("layer 3", 7):]
+    assert output_2 in backward
     assert backward.index(output_2) > backward.index("attention")           # after layer 3's recomputation
     assert backward.index(output_2) < backward.index("layer 1")             # before the rebuilding forward
     assert backward[backward.index("layer 1"):backward.index("layer 2")] == ["layer 1", "attention"]

@@ -13,7 +13,7 @@ from conf.schema.memory import MemoryConfig, check_memory
 from model import LlamaConfig
 from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
 from offload.engine import CopyEngine
-from offload.placement import FULLEST_MOMENT, GpuRoom, backward_attention_forwards
+from offload.placement import FULLEST_MOMENT, GpuRoom, backward_attention_forwards, recompute_flops
 from offload.plan import layer_parameters, plan_memory
 from offload.store import LayerInputStore, rebuilds_attention
 from offload.units import GIB
@@ -195,9 +195,20 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
     assert long.count("recompute") > without.count("recompute") > 0
     kept = [i for i, output in enumerate(long.attention) if output != "none"]
     assert kept and all(long.placements[i] == "recompute" and long.attention[i] == "host" for i in kept)
-    assert (backward_attention_forwards(long.placements, long.attention)
-            == backward_attention_forwards(without.placements, without.attention) - len(kept))
-    assert backward_attention_forwards(without.placements, without.attention) == 32    # one per layer
+    forwards = lambda p: backward_attention_forwards(p.shape, p.placements, p.attention)
+    assert forwards(long) == forwards(without) - len(kept) and forwards(without) == 32     # one per layer
+    assert recompute_flops(long.shape, long.placements, long.attention) < recompute_flops(
+        without.shape, without.placements, without.attention)
+
+
+def test_short_rows_recompute_no_input_for_an_attention_output():
+    """Below about 50k tokens an attention forward costs less than the rest of a layer that a rebuild runs:
+    a small host makes inputs recomputed, never more of them to keep attention outputs."""
+    small = Capacity(gpu=24 * GIB, host=8 * GIB, pinnable=2 * GIB)
+    short = plan(16384, MemoryConfig(full_layers=0), capacity=small)
+    fewest = plan(16384, MemoryConfig(full_layers=0, kept_attention_layers=0), capacity=small)
+    assert short.fits and short.count("recompute") == fewest.count("recompute") > 0
+    assert short.attention == ["none"] * 32
 
 
 def test_kept_attention_layers_is_obeyed():
