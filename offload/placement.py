@@ -170,10 +170,7 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: G
     # Without CUDA there is nowhere to offload to: the "GPU" is the host.
     on_gpu = layers if not offload else min(layers, memory_cfg.gpu_layers) if memory_cfg.gpu_layers is not None \
         else _most(lambda n: gpu_bytes(_placements(layers, n, 0), no_attention) + reserve <= room.bytes, layers)
-    slot = pinned_size(shape.activation)
-    needed = max(0, layers - on_gpu - host_room // slot) if on_gpu < layers else 0
-    if needed and shape.output_fits_input_slot:     # rebuilding layers share a pinned lse buffer (rebuilds_attention)
-        needed = max(0, layers - on_gpu - (host_room - pinned_size(shape.attention_output[1])) // slot)
+    needed = max(0, layers - on_gpu - host_room // pinned_size(shape.activation)) if on_gpu < layers else 0
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
     placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
@@ -213,10 +210,10 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
     host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if "host" in placements else {}
     if any(copied_back_ahead(placements, attention, index) for index in range(len(placements))):
         gpu["attention output prefetch"] = b
+    if any(rebuilding_keeps(shape, placements, attention, index) for index in range(len(placements))):
+        gpu["rebuilt attention lse"] = shape.attention_output[1]     # one at a time, through the layer above's backward
     if "host" in attention:
         host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
-    if any(rebuilding_keeps(shape, placements, attention, index) for index in range(len(placements))):
-        host["pinned rebuilt attention lse"] = pinned_size(shape.attention_output[1])
     if "full" in placements:
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
     if layer is not None:

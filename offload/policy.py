@@ -27,8 +27,7 @@ from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
-from offload.placement import rebuilding_keeps
-from offload.store import REBUILT_LSE_KEY, LayerInputStore, ReplayState, attention_key, input_key
+from offload.store import LayerInputStore, ReplayState, attention_key, input_key
 
 
 def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
@@ -231,8 +230,6 @@ class MemoryPolicy:
             if self.store.attention[index] == "host":
                 for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
-            if rebuilding_keeps(shape, self.store.placements, self.store.attention, index):   # one for all
-                self.engine.pool.get(REBUILT_LSE_KEY, shape.attention_output[1])
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         index = self.index_of[id(layer)]

@@ -56,18 +56,13 @@ def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]
     return ("attention", index, call, part)
 
 
-# The pinned-pool key of the lse a layer's rebuilding forward keeps (`rebuilds_attention`): one buffer that
-# every such layer uses in turn, each done with it before the next layer below rebuilds.
-REBUILT_LSE_KEY = ("rebuilt_attention", "lse")
-
-
 def rebuilds_attention(placements: list[str], attention: list[str], index: int) -> bool:
     """Whether layer `index`, whose forward is run again in the backward to rebuild the recomputed input of
     the layer above, keeps that forward's attention outputs for its own backward, which comes next: its
     recomputation then replays them instead of running its attention forward a third time (at 524k tokens,
     8 of a step's 72 attention forwards). Its attention output goes where its input was kept on the host,
     a buffer idle once that input is back on the GPU (the attention output of a Llama is the size of a layer
-    input), so neither the host nor the GPU holds more than the plan counts but the lse (`REBUILT_LSE_KEY`)."""
+    input); its lse (1/32 of that at head dim 128) stays on the GPU, where the plan counts one."""
     return (placements[index] == "host" and attention[index] == "none"
             and placements[index + 1:index + 2] == ["recompute"])
 
@@ -191,13 +186,13 @@ class LayerInputStore:
         """Keep what layer `index` recorded while rebuilding the input above it (`rebuilds_attention`): the
         output in its own input's pinned buffer (that input's copy back out of it runs first: the copy
         stream is in order), only where it fits there (never a new buffer of that size, which the plan does not
-        count), the lse in REBUILT_LSE_KEY's."""
-        if len(tape.saved) != 1:       # one attention call per layer is what the buffers are sized for
+        count), the lse as it is, on the GPU."""
+        if len(tape.saved) != 1:       # one attention call per layer is what the buffer is sized for
             return
         out, lse = tape.saved[0]
         out_host = self.engine.into_existing(input_key(index), out)
         if out_host is not None:
-            self.stored[index].attention = [(out_host, self.engine.to_host(REBUILT_LSE_KEY, lse))]
+            self.stored[index].attention = [(out_host, lse)]
 
     def take_attention(self, index: int) -> AttentionTape | None:
         """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""

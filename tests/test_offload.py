@@ -11,7 +11,7 @@ from offload.byte_model import Shape
 from offload.engine import ALIGNMENT, CopyEngine
 from offload.placement import backward_attention_forwards
 from offload.policy import apply_memory_policy
-from offload.store import REBUILT_LSE_KEY, LayerInputStore, attention_key, input_key
+from offload.store import LayerInputStore, attention_key, input_key
 from trainer.build import apply_lora
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
@@ -304,12 +304,11 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
 
     # 4 forwards, layer 3's recomputation, layer 1 rebuilding layer 2's input, layer 2's and 0's recomputation
     assert events.count("attention") == 8 == 4 + planned_backward_forwards(model, 24, policy)
-    assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3), REBUILT_LSE_KEY}
+    assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3)}     # the lse stays on the device
     layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
-    lse_buffer = policy.engine.pool.buffers[REBUILT_LSE_KEY].data_ptr()
     backward = events[events.index("layer 3", 7):]      # from layer 3's recomputation on (8 forward events)
     assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
-        "layer 2", "attention", layer_1_buffer, lse_buffer, "layer 1"]
+        "layer 2", "attention", layer_1_buffer, "layer 1"]
     assert not policy.store.stored
 
 
@@ -415,8 +414,10 @@ def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_
         for name, grad in grads.items():    # bf16: MLP tiles round differently, compare by norm
             ref = reference[1][name]
             assert float((grad - ref).norm() / ref.norm()) < 2e-2, name
-    assert policy.stats()["offload/pinned_gib"] > 0
-    assert (REBUILT_LSE_KEY in policy.engine.pool.buffers) == (attention == ["none"] * 4), "layer 1 rebuilt"
+    stats = policy.stats()
+    assert stats["offload/pinned_gib"] > 0
+    if attention == ["none"] * 4:      # per step: inputs 1 and 3, and the output layer 1's rebuilding run kept
+        assert round(stats["offload/d2h_gib"] * 2 ** 30) == 2 * 3 * input_ids.numel() * 256 * 2
 
 
 def test_lora_wraps_every_projection_and_freezes_the_base():

@@ -22,6 +22,8 @@ LLAMA3_8B = LlamaConfig()
 LORA = SimpleNamespace(mode="lora", lora_r=16, lora_dropout=0.0, lora_target_modules=[
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
+# The H100 machine as the planner sees it (3/4 of its host pinnable): 23 layer inputs and 1.75 GiB more.
+H100_MACHINE = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=int(93.75 * GIB))
 CUDA = torch.device("cuda")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,17 +152,18 @@ def test_long_sequences_offload_and_fit_the_h100(seq_len):
 
 
 def test_524k_recomputes_what_the_host_cannot_hold():
-    long = plan(524288)
+    long = plan(524288, capacity=H100_MACHINE)
     placements = long.placements
     assert placements.count("recompute") > 0
     assert all(placements[i - 1] != "recompute" for i, p in enumerate(placements) if p == "recompute")
     assert placements[0] != "recompute"
     # The layers below rebuild the recomputed inputs and keep that forward's attention (its output in their
-    # own input's host buffer): the plan counts the one lse buffer they share, nothing on the GPU.
+    # own input's host buffer, its lse on the GPU): no more host room, one lse on the GPU.
     assert all(rebuilds_attention(placements, long.attention, i - 1) for i, p in enumerate(placements)
                if p == "recompute")
-    assert long.host["pinned rebuilt attention lse"] == pinned_size(524288 * 32 * 4)
-    assert "pinned rebuilt attention lse" not in plan(131072).host
+    assert set(long.host) == {"process baseline", "pinned layer inputs", "pinned attention outputs"}
+    assert long.gpu["rebuilt attention lse"] == 524288 * 32 * 4
+    assert "rebuilt attention lse" not in plan(131072, capacity=H100_MACHINE).gpu
 
 
 def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
@@ -189,8 +192,8 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
     """Past the host's room, more inputs are recomputed, each keeping its attention output in the host room its
     input would take: with the layers below keeping their rebuilding run's, fewer attention forwards run in
     the backward, at the same GPU peak and no more pinned memory than the pinnable share."""
-    without = plan(524288, MemoryConfig(kept_attention_layers=0))
-    long = plan(524288)
+    without = plan(524288, MemoryConfig(kept_attention_layers=0), capacity=H100_MACHINE)
+    long = plan(524288, capacity=H100_MACHINE)
     assert long.fits and long.gpu_peak == without.gpu_peak and "attention output prefetch" not in long.gpu
     assert long.count("recompute") > without.count("recompute") > 0
     kept = [i for i, output in enumerate(long.attention) if output != "none"]
