@@ -282,42 +282,11 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     assert ("attention", host_kept, 0, 1) in policy.engine.pool.buffers, "host-kept lse goes through the pool"
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
-def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_backward(monkeypatch):
-    """Layer 1 runs again in the backward to rebuild layer 2's input; that run's attention output goes into
-    layer 1's own input buffer on the host (idle by then), and layer 1's recomputation replays it: one
-    attention forward less, no new buffer of that size, and its copy back starts in layer 1's backward, not
-    during layer 2's (whose peak has no room for it). Loss and gradients equal plain autograd's."""
-    import kernels.flash_attention as flash
-    kernels.set_backend("triton")
-    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
-    input_ids, labels = batch(seqlen=24)
-    reference = loss_and_grads(model, input_ids, labels)
-    events, forward_kernel, to_device = [], flash._attention_forward, None
-    monkeypatch.setattr(flash, "_attention_forward", lambda *a: events.append("attention") or forward_kernel(*a))
-    policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"))
-    for index, layer in enumerate(model.get_base_model().model.layers):
-        layer.register_forward_pre_hook(lambda module, args, index=index: events.append(f"layer {index}"))
-    to_device = policy.engine.to_device
-    policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
-    assert_same(reference, loss_and_grads(model, input_ids, labels))
-
-    # 4 forwards, layer 3's recomputation, layer 1 rebuilding layer 2's input, layer 2's and 0's recomputation
-    assert events.count("attention") == 8 == 4 + planned_backward_forwards(model, 24, policy)
-    assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3)}     # the lse stays on the device
-    layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
-    backward = events[events.index("layer 3", 7):]      # from layer 3's recomputation on (8 forward events)
-    assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
-        "layer 2", "attention", layer_1_buffer, "layer 1"]
-    assert not policy.store.stored
-
-
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
-def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_backward(monkeypatch):
-    """Layer 2's input is recomputed and its attention output kept on the host (the planner's pairs past the
-    host's room): its recomputation replays it, as layer 1's replays its rebuilding run's, so the backward
-    runs attention forwards for layers 3, 1 (rebuilding) and 0 only. Its copy back starts in its own
-    backward, where the rebuilding forward hides it, not in layer 3's, whose peak has no room for it."""
+def traced_step(monkeypatch, attention=None):
+    """One step of the 4-layer model placed g h r h (layer 1 rebuilds layer 2's input), checked against plain
+    autograd: the policy, the step's events in order (each attention forward kernel, each layer's forward as
+    "layer i", the host buffer of each copy back to the device) and the planner's count of the backward's
+    attention forwards for that layout."""
     import kernels.flash_attention as flash
     kernels.set_backend("triton")
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
@@ -326,21 +295,46 @@ def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_ba
     events, forward_kernel = [], flash._attention_forward
     monkeypatch.setattr(flash, "_attention_forward", lambda *a: events.append("attention") or forward_kernel(*a))
     policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
-                                 attention=["none", "none", "host", "none"])
+                                 attention=attention)
     for index, layer in enumerate(model.get_base_model().model.layers):
         layer.register_forward_pre_hook(lambda module, args, index=index: events.append(f"layer {index}"))
     to_device = policy.engine.to_device
     policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
+    assert not policy.store.stored
+    return policy, events, planned_backward_forwards(model, 24, policy)
 
-    assert events.count("attention") == 7 == 4 + planned_backward_forwards(model, 24, policy)
+
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_backward(monkeypatch):
+    """Layer 1 runs again in the backward to rebuild layer 2's input; that run's attention output goes into
+    layer 1's own input buffer on the host (idle by then), and layer 1's recomputation replays it: one
+    attention forward less, no new buffer of that size, and its copy back starts in layer 1's backward, not
+    during layer 2's (whose peak has no room for it). Loss and gradients equal plain autograd's."""
+    policy, events, planned = traced_step(monkeypatch)
+    # 4 forwards, layer 3's recomputation, layer 1 rebuilding layer 2's input, layer 2's and 0's recomputation
+    assert events.count("attention") == 8 == 4 + planned
+    assert set(policy.engine.pool.buffers) == {input_key(1), input_key(3)}     # the lse stays on the device
+    layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
+    backward = events[events.index("layer 3", 7):]      # from layer 3's recomputation on (8 forward events)
+    assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
+        "layer 2", "attention", layer_1_buffer, "layer 1"]
+
+
+@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_backward(monkeypatch):
+    """Layer 2's input is recomputed and its attention output kept on the host (the planner's pairs past the
+    host's room): its recomputation replays it, as layer 1's replays its rebuilding run's, so the backward
+    runs attention forwards for layers 3, 1 (rebuilding) and 0 only. Its copy back starts in its own
+    backward, where the rebuilding forward hides it, not in layer 3's, whose peak has no room for it."""
+    policy, events, planned = traced_step(monkeypatch, attention=["none", "none", "host", "none"])
+    assert events.count("attention") == 7 == 4 + planned
     output_2 = policy.engine.pool.buffers[attention_key(2, 0, 0)].data_ptr()
     backward = events[events.index("layer 3", 7):]
     assert output_2 in backward
     assert backward.index(output_2) > backward.index("attention")           # after layer 3's recomputation
     assert backward.index(output_2) < backward.index("layer 1")             # before the rebuilding forward
     assert backward[backward.index("layer 1"):backward.index("layer 2")] == ["layer 1", "attention"]
-    assert not policy.store.stored
 
 
 def test_full_layers_run_their_forward_once():
