@@ -43,6 +43,11 @@ for step in "$@"; do
     training_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
+    # Work per joule at 32k (one-second cells: NVML's energy counter is too coarse for shorter ones), then the
+    # one-pass backward's variants timed and metered in turn (BWD_VARIANTS: names; all of them if empty).
+    attn_energy) python3 scripts/bench_attention.py --seqlens 32768 --peers cudnn --rounds 5 --clocks --rep-ms 1000 \
+        --no-packed 2>&1 | tee $OUT/attn_energy.log | tail -5 ;;
+    bwd_energy) python3 docs/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
     train_64k) bench --seq-len 65536 --steps 3 ;;
     train_131k) bench --seq-len 131072 --steps 2 ;;
