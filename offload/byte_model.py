@@ -96,14 +96,18 @@ def projection_shapes(arch: LlamaConfig) -> dict[str, tuple[int, int]]:
 
 def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
     """(all parameters, trainable parameters) of the model as the trainer builds it."""
-    d, shapes = arch.hidden_size, projection_shapes(arch)
-    per_layer = sum(i * o for i, o in shapes.values()) + 2 * d
+    d = arch.hidden_size
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
-    total = arch.num_hidden_layers * per_layer + embeddings + d
+    total = arch.num_hidden_layers * layer_parameters(arch) + embeddings + d
     if train_cfg.mode != "lora":
         return total, total
-    lora = arch.num_hidden_layers * _adapter_parameters(arch, train_cfg, shapes.keys())
+    lora = arch.num_hidden_layers * _adapter_parameters(arch, train_cfg, projection_shapes(arch).keys())
     return total + lora, lora
+
+
+def layer_parameters(arch: LlamaConfig) -> int:
+    """One decoder layer's parameters: its projections and two norms."""
+    return sum(i * o for i, o in projection_shapes(arch).values()) + 2 * arch.hidden_size
 
 
 def _adapter_parameters(arch: LlamaConfig, train_cfg, names: Iterable[str]) -> int:

@@ -34,12 +34,11 @@ class PinnedPool:
         self.buffers: dict[object, torch.Tensor] = {}
 
     def get(self, key: object, nbytes: int) -> torch.Tensor:
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < nbytes:
+        buffer = self.existing(key, nbytes)
+        if buffer is None:
             self.buffers.pop(key, None)         # release the smaller one before pinning its replacement
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self.buffers[key] = buffer
-        return buffer[:nbytes]
+            buffer = self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buffer
 
     def existing(self, key: object, nbytes: int) -> torch.Tensor | None:
         """The buffer of `key` if one of at least `nbytes` is pinned already (its first `nbytes`), else None:

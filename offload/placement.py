@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from conf.errors import ConfigError
-from offload.byte_model import Shape, pinned_size, projection_shapes
+from offload.byte_model import Shape, layer_parameters, pinned_size
 from offload.store import copied_back_ahead, rebuilds_attention
 
 
@@ -132,7 +132,7 @@ def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -
     costs what the rest of the layer does)."""
     arch, tokens = shape.arch, shape.tokens
     attention_forward = 2.0 * tokens * tokens * arch.head_dim * arch.num_attention_heads
-    rest_of_layer = 2.0 * tokens * sum(i * o for i, o in projection_shapes(arch).values())
+    rest_of_layer = 2.0 * tokens * layer_parameters(arch)
     return (backward_attention_forwards(shape, placements, attention) * attention_forward
             + placements.count("recompute") * rest_of_layer)
 

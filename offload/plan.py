@@ -17,7 +17,7 @@ import torch
 
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                full_layer_bytes, parameter_counts, pinned_size, projection_shapes,
+                                full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
                                 sequence_exchange_bytes, transient_bytes)
 from offload.placement import FULLEST_MOMENT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
@@ -191,11 +191,6 @@ def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True)
     d = arch.hidden_size
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
     return (2 if gradients else 1) * (embeddings + 2 * layer_parameters(arch)) * weight_bytes
-
-
-def layer_parameters(arch: LlamaConfig) -> int:
-    """One decoder layer's parameters: its projections and two norms."""
-    return sum(i * o for i, o in projection_shapes(arch).values()) + 2 * arch.hidden_size
 
 
 def _wanted_full_layers(memory_cfg, device: torch.device) -> int | None:

@@ -59,10 +59,10 @@ def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]
 def rebuilds_attention(placements: list[str], attention: list[str], index: int) -> bool:
     """Whether layer `index`, whose forward is run again in the backward to rebuild the recomputed input of
     the layer above, keeps that forward's attention outputs for its own backward, which comes next: its
-    recomputation then replays them instead of running its attention forward a third time (at 524k tokens,
-    8 of a step's 72 attention forwards). Its attention output goes where its input was kept on the host,
-    a buffer idle once that input is back on the GPU (the attention output of a Llama is the size of a layer
-    input); its lse (1/32 of that at head dim 128) stays on the GPU, where the plan counts one."""
+    recomputation then replays them instead of running its attention forward a third time (one attention
+    forward per recomputed input: at 524k tokens, 3.5 s each). Its attention output goes where its input was
+    kept on the host, a buffer idle once that input is back on the GPU (the attention output of a Llama is the
+    size of a layer input); its lse (1/32 of that at head dim 128) stays on the GPU, where the plan counts one."""
     return (placements[index] == "host" and attention[index] == "none"
             and placements[index + 1:index + 2] == ["recompute"])
 
@@ -208,7 +208,7 @@ class LayerInputStore:
         there (`copied_back_ahead`; rebuilt ones, whose placement is "none", are not): the others wait for their
         own layer's backward."""
         record = self.stored.get(index)
-        if record is not None and not (ahead and not copied_back_ahead(self.placements, self.attention, index)):
+        if record is not None and (not ahead or copied_back_ahead(self.placements, self.attention, index)):
             record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:
