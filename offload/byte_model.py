@@ -150,17 +150,27 @@ def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool
                     device_type: str = "cuda", attention_kernel: str = "flash",
                     sequence_parallel: int = 1) -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
-    checkpointing (plain autograd) every layer is a full one and keeps its activations under it."""
+    checkpointing (plain autograd) every layer is a full one and keeps its activations under it, but for the
+    top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`)."""
     transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles), attention_kernel)
     if checkpointing:
         return transient
-    every_layer = shape.arch.num_hidden_layers * full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type,
-                                                                  sequence_parallel)
-    return {"all layers' activations": every_layer, **transient}
+    full_layer = full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type, sequence_parallel)
+    held = shape.arch.num_hidden_layers - top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel)
+    return {"all layers' activations": held * full_layer, **transient}
 
 
 def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> dict[str, int]:
-    arch, a = shape.arch, shape.activation
+    backward = _layer_backward(shape, tile_tokens, attention_kernel)
+    if sum(backward.values()) >= loss_bytes(shape):
+        return backward
+    return {"loss activations": int(LOSS_ACTIVATIONS * shape.activation), "cross-entropy workspace": LCE_WORKSPACE}
+
+
+def _layer_backward(shape: Shape, tile_tokens: int, attention_kernel: str) -> dict[str, int]:
+    """A checkpointed layer's backward at its peak: its recomputed activations, their gradients, the
+    attention's statistics (and cuDNN's workspace) and one MLP tile's intermediates."""
+    arch = shape.arch
     attention_stats = 2 * shape.tokens * arch.num_attention_heads * 4                 # lse + delta, fp32
     attention_label = "attention statistics"
     if attention_kernel == "cudnn":        # cuDNN's backward workspace, beside the statistics it keeps
@@ -168,12 +178,25 @@ def _backward_or_loss(shape: Shape, tile_tokens: int, attention_kernel: str) -> 
             shape.tokens, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, shape.act_bytes)
         attention_label = "attention stats+workspace"
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
-    backward = int(BACKWARD_ACTIVATIONS * a) + attention_stats + mlp_tile
-    loss = int(LOSS_ACTIVATIONS * a) + LCE_WORKSPACE + shape.tokens * 8
-    if backward >= loss:
-        return {"layer backward activations": int(BACKWARD_ACTIVATIONS * a),
-                attention_label: attention_stats, "MLP tile": mlp_tile}
-    return {"loss activations": int(LOSS_ACTIVATIONS * a), "cross-entropy workspace": LCE_WORKSPACE}
+    return {"layer backward activations": int(BACKWARD_ACTIVATIONS * shape.activation),
+            attention_label: attention_stats, "MLP tile": mlp_tile}
+
+
+def loss_bytes(shape: Shape) -> int:
+    """The loss phase: its activations, the cross-entropy's workspace and the per-token labels and losses."""
+    return int(LOSS_ACTIVATIONS * shape.activation) + LCE_WORKSPACE + shape.tokens * 8
+
+
+def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, attention_kernel: str) -> bool:
+    """Whether the top decoder layer can keep every activation (a "full" layer, `full_layer` bytes) without
+    raising the step's peak. Its forward is the last and its backward the first, so what it keeps lives only
+    through the loss and its own backward: beside the loss it must fit in what a checkpointed layer's backward
+    needs more than the loss, and its backward holds what a checkpointed one's recomputation would have rebuilt
+    (the same activations) with the same gradients. Every other layer's kept bytes are held through every
+    layer's backward (offload.placement); these are not, which is why at 524k tokens the top layer can skip its
+    recomputation (an attention forward and the rebuild of its input) where no other layer has room to."""
+    backward = sum(_layer_backward(shape, -(-shape.tokens // mlp_tiles), attention_kernel).values())
+    return full_layer + loss_bytes(shape) <= backward
 
 
 def sequence_exchange_bytes(shape: Shape, degree: int) -> int:

@@ -3,7 +3,8 @@
 Layer inputs first: the first k stay on the GPU, the rest go to pinned host memory, and every other one
 from the top is recomputed instead when the host cannot hold them all. Attention outputs (from the top
 layer down) then take the room left, on the GPU, then on the host. GPU room still left then turns
-checkpointed layers into "full" ones, which keep every activation and recompute nothing.
+checkpointed layers into "full" ones, which keep every activation and recompute nothing; the top layer
+can be one at no cost (byte_model.top_layer_full_costs_nothing), and the others are then placed below it.
 
 What must fit is the GPU room (`GpuRoom`): everything kept at once, or, where the backward makes gradients
 on the GPU (full fine-tuning's "bf16" state layout), its fullest moment.
@@ -59,9 +60,11 @@ class GpuRoom:
     layer's kept activations are freed by its own backward: while layer k back-propagates the GPU holds
     what layers 0..k keep and the gradients of layers k and above, and after the last one every gradient.
     The room must hold the fullest of those moments (at the top for inputs cheaper than a gradient, at
-    the bottom for costlier ones)."""
+    the bottom for costlier ones). `layers_above`: layers above the ones placed (the top layer, full at no
+    cost) whose backward comes first and makes their gradients before any of these."""
     bytes: int
     layer_gradient: int = 0
+    layers_above: int = 0
 
     def fullest(self, by_layer: list[int]) -> tuple[int, int | None]:
         """(bytes at the fullest moment, the layer whose backward it is in: None at the end of the forward
@@ -69,9 +72,9 @@ class GpuRoom:
         held = sum(by_layer)
         if not self.layer_gradient:
             return held, None
-        layers = len(by_layer)
+        layers = len(by_layer) + self.layers_above
         most, layer = layers * self.layer_gradient, -1
-        for k in range(layers - 1, -1, -1):
+        for k in range(len(by_layer) - 1, -1, -1):
             if held + (layers - k) * self.layer_gradient > most:
                 most, layer = held + (layers - k) * self.layer_gradient, k
             held -= by_layer[k]
@@ -87,13 +90,15 @@ class KeptLayers:
     host: dict[str, int]
 
 
-def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, host_room: int) -> KeptLayers:
-    """Layer inputs first (the first k on the GPU, the rest on the host, recomputed when the host is full),
-    then attention outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
+def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, host_room: int,
+                layers: int) -> KeptLayers:
+    """Where the bottom `layers` checkpointed layers keep their inputs and attention outputs: layer inputs
+    first (the first k on the GPU, the rest on the host, recomputed when the host is full), then attention
+    outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
     outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
     which is taken if it keeps more attention outputs without recomputing more inputs."""
     offload = memory_cfg.offload and device.type == "cuda"
-    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve)
+    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve, layers)
                   for reserve in ((0, shape.attention_bytes) if offload else (0,))]
     if (offload and memory_cfg.recomputed_inputs is None and memory_cfg.kept_attention_layers is None
             and shape.output_fits_input_slot):
@@ -160,8 +165,7 @@ def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: 
 
 
 def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: GpuRoom, host_room: int,
-                                reserve: int) -> KeptLayers:
-    layers = shape.arch.num_hidden_layers
+                                reserve: int, layers: int) -> KeptLayers:
     no_attention = ["none"] * layers
 
     def gpu_bytes(placements: list[str], attention: list[str]) -> int:
@@ -180,7 +184,7 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: G
         return gpu_bytes(placements, _attention_placements(layers, on_gpu, 0)) + slot <= room.bytes
 
     attention_gpu, attention_host = _kept_attention(shape, memory_cfg, attention_fits,
-                                                    host_room - sum(inputs_host.values()), offload)
+                                                    host_room - sum(inputs_host.values()), offload, layers)
     attention = _attention_placements(layers, attention_gpu, attention_host)
     return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0, room))
 
@@ -217,21 +221,23 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
     if "full" in placements:
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
     if layer is not None:
-        gpu[FULLEST_MOMENT] = (len(placements) - max(layer, 0)) * room.layer_gradient
+        gpu[FULLEST_MOMENT] = (len(placements) + room.layers_above - max(layer, 0)) * room.layer_gradient
     return gpu, host
 
 
 def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuRoom, host_room: int,
-                     wanted: int | None) -> KeptLayers:
+                     wanted: int | None, top_costs_nothing: bool = False) -> KeptLayers:
     """Turn checkpointed layers into full ones (every activation kept, `full_bytes` each, no recompute and
     no kept attention output): `wanted` of them, or with None each that still fits the GPU `room`. Each
-    saves one layer recompute of equal cost, so the order only decides the bytes: layers whose input is on
-    the GPU first (paid for already), then host-kept ones, from layer 0 up; never one below a recomputed
-    input, which is rebuilt from the input the layer below keeps."""
+    saves one layer recompute of equal cost, so the order only decides the bytes. With `top_costs_nothing`
+    (byte_model.top_layer_full_costs_nothing: `kept` then places the layers below the top) the top layer comes
+    first, a full layer the plan counts no bytes for; then layers whose input is on the GPU (paid for
+    already), then host-kept ones, from layer 0 up; never one below a recomputed input, which is rebuilt from
+    the input the layer below keeps."""
     placements, attention = list(kept.placements), list(kept.attention)
     candidates = [i for i, p in enumerate(placements) if p == "gpu"] + [
         i for i, p in enumerate(placements) if p == "host" and placements[i + 1:i + 2] != ["recompute"]]
-    chosen, costs = 0, (kept.gpu, kept.host)
+    chosen, costs = int(top_costs_nothing), (kept.gpu, kept.host)
     for index in candidates:
         if wanted is not None and chosen == wanted:
             break
@@ -245,14 +251,16 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
         raise ConfigError(f"memory.full_layers={wanted}: {chosen} layers can be full here (a layer needs its "
                           f"input kept, on the GPU or the host, and no recomputed input above it): set it to at "
                           f"most {chosen}, or null to let the planner choose")
+    if top_costs_nothing:
+        placements, attention = placements + ["full"], attention + ["none"]
     return KeptLayers(placements, attention, *costs)
 
 
-def _kept_attention(shape: Shape, memory_cfg, gpu_fits, host_room: int, offload: bool) -> tuple[int, int]:
-    """(on GPU, on host) counts of layers whose attention output is kept: all wanted layers that fit the
-    GPU (`gpu_fits(count on the GPU, bytes of a prefetch slot)`), the rest in the host room (one GPU slot
-    then goes to prefetching them)."""
-    layers = shape.arch.num_hidden_layers
+def _kept_attention(shape: Shape, memory_cfg, gpu_fits, host_room: int, offload: bool,
+                    layers: int) -> tuple[int, int]:
+    """(on GPU, on host) counts of the checkpointed `layers` whose attention output is kept: all wanted layers
+    that fit the GPU (`gpu_fits(count on the GPU, bytes of a prefetch slot)`), the rest in the host room (one
+    GPU slot then goes to prefetching them)."""
     wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
     per_layer = shape.attention_bytes
     fit_on_gpu = _most(lambda count: gpu_fits(count, 0), wanted)

@@ -18,7 +18,7 @@ import torch
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
                                 full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
-                                sequence_exchange_bytes, transient_bytes)
+                                sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
@@ -171,11 +171,14 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
     if memory_cfg.checkpoint:
-        room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient)
-        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
-        kept = keep_layers(shape, memory_cfg, device, room, host_room)
         full_layer = full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type, sequence_parallel)
-        kept = with_full_layers(kept, shape, full_layer, room, host_room, _wanted_full_layers(memory_cfg, device))
+        wanted_full = _wanted_full_layers(memory_cfg, device)
+        top_full = wanted_full != 0 and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel)
+        room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient,
+                       int(top_full))
+        host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
+        kept = keep_layers(shape, memory_cfg, device, room, host_room, arch.num_hidden_layers - top_full)
+        kept = with_full_layers(kept, shape, full_layer, room, host_room, wanted_full, top_full)
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)
         host.update(kept.host)

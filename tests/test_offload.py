@@ -262,7 +262,10 @@ def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separate
     (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"], 6, 3),
     # full layers run their attention once; layers 1 and 3 replay theirs
     (["full", "host", "full", "host"], ["none", "host", "none", "gpu"], 4, 1),
-], ids=["checkpointed", "with-full-layers"])
+    # the 524k plan's shape: the top layer full, layer 2 recomputed keeping its own output, layer 1 keeping
+    # its rebuilding run's: only that run and layer 0's recomputation run an attention forward
+    (["gpu", "host", "recompute", "full"], ["none", "none", "host", "none"], 6, 2),
+], ids=["checkpointed", "with-full-layers", "full-top-above-a-recomputed-input"])
 def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeypatch, placements, attention,
                                                                          launches, host_kept):
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
@@ -389,7 +392,8 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
     (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"]),
     (["full", "host", "recompute", "full"], ["none", "host", "none", "none"]),
     (["gpu", "host", "recompute", "host"], ["none"] * 4),     # layer 1 keeps the attention of its rebuilding run
-], ids=["checkpointed", "with-full-layers", "rebuilt-attention"])
+    (["gpu", "host", "recompute", "full"], ["none", "none", "host", "none"]),      # the 524k plan's shape
+], ids=["checkpointed", "with-full-layers", "rebuilt-attention", "full-top"])
 @pytest.mark.parametrize("attention_kernel", ["flash", "cudnn"])
 def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_kernel):
     from kernels import cudnn_attention

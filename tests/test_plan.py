@@ -11,7 +11,8 @@ import torch
 from conf.errors import ConfigError
 from conf.schema.memory import MemoryConfig, check_memory
 from model import LlamaConfig
-from offload.byte_model import Capacity, full_layer_bytes, parameter_counts, pinned_size
+from offload.byte_model import (Capacity, full_layer_bytes, loss_bytes, parameter_counts, pinned_size,
+                                top_layer_full_costs_nothing, transient_bytes)
 from offload.engine import CopyEngine
 from offload.placement import FULLEST_MOMENT, GpuRoom, backward_attention_forwards, recompute_flops
 from offload.plan import layer_parameters, plan_memory
@@ -55,21 +56,43 @@ def test_the_gpu_room_holds_the_fullest_moment_of_a_backward_that_makes_gradient
     assert room.fullest([0, 0, 0, 0]) == (8, -1)
     assert room.fullest([1, 1, 1, 9]) == (14, 3)
     assert GpuRoom(bytes=100).fullest([5, 1, 1, 1]) == (8, None)     # no gradients made: all at once
+    # A full top layer above these four makes its 2 bytes first: every moment holds them too.
+    above = GpuRoom(bytes=100, layer_gradient=2, layers_above=1)
+    assert above.fullest([5, 1, 1, 1]) == (15, 0) and above.fullest([1, 1, 1, 9]) == (16, 3)
+    assert above.fullest([0, 0, 0, 0]) == (10, -1)
+
+
+def test_the_top_layer_is_full_where_a_layer_backward_outweighs_the_loss_by_its_activations():
+    """The top layer's activations live beside the loss and in its own backward (the first): they cost nothing
+    where they fit in what a checkpointed layer's backward needs beyond the loss, and not a byte more."""
+    for seq_len in (32768, 131072, 524288):
+        chosen = plan(seq_len)
+        shape, tiles, kernel = chosen.shape, chosen.mlp_tiles, chosen.attention_kernel
+        backward = sum(transient_bytes(shape, LORA, tiles, True, attention_kernel=kernel).values())
+        room = backward - loss_bytes(shape)
+        assert chosen.placements[-1] == "full" and full_layer_bytes(shape, LORA, tiles > 1) <= room
+        assert top_layer_full_costs_nothing(shape, room, tiles, kernel)
+        assert not top_layer_full_costs_nothing(shape, room + 1, tiles, kernel)
+    short = plan(8192, MemoryConfig(full_layers=0))     # at 8k the loss is the larger transient
+    assert not top_layer_full_costs_nothing(short.shape, 0, short.mlp_tiles, short.attention_kernel)
+    assert "full" not in short.placements and "full" not in plan(524288, MemoryConfig(full_layers=0)).placements
 
 
 def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     """bf16 state layout, one micro-batch: a layer's gradients exist only from its backward on, when the
     activations kept for the layers above are freed, so at 32k the H100 keeps every input and most attention
-    outputs on the GPU and three full layers (counting all gradients beside all kept activations left room
-    for 23 inputs and no kept attention on the GPU). The plan's GPU items are those of its fullest moment."""
+    outputs on the GPU, three full layers and the top one, full at no cost (counting all gradients beside all
+    kept activations left room for 23 inputs and no kept attention on the GPU). The plan's GPU items are those
+    of its fullest moment."""
     full = SimpleNamespace(mode="full", full_state="auto")
     chosen = plan(32768, train=full)
     assert chosen.fits and chosen.full_state == "bf16"
-    assert chosen.placements == ["full"] * 3 + ["gpu"] * 29 and chosen.attention == ["none"] * 3 + ["gpu"] * 29
+    assert chosen.placements == ["full"] * 3 + ["gpu"] * 28 + ["full"]
+    assert chosen.attention == ["none"] * 3 + ["gpu"] * 28 + ["none"]
     # The fullest moment, recounted here from the layout: the backward of layer k holds what layers 0..k keep
-    # and the gradients of layers k..31.
+    # and the gradients of layers k..31 (the top layer's activations are its own backward's, counted there).
     a, b = chosen.shape.activation, chosen.shape.attention_bytes
-    kept = [full_layer_bytes(chosen.shape, full, mlp_tiled=True)] * 3 + [a + b] * 29
+    kept = [full_layer_bytes(chosen.shape, full, mlp_tiled=True)] * 3 + [a + b] * 28 + [0]
     gradient = 2 * layer_parameters(LLAMA3_8B)
     moments = [sum(kept[:k + 1]) + (32 - k) * gradient for k in range(32)] + [32 * gradient]
     others = {name: size for name, size in chosen.gpu.items() if name not in (
@@ -86,47 +109,61 @@ def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     assert accumulated.gpu_peak == sum(accumulated.gpu.values()) <= accumulated.capacity.gpu_limit
 
 
-@pytest.mark.parametrize("seq_len, full", [(32768, 31), (65536, 7)])
-def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, full):
-    """At 32k-64k the GPU has room: as many layers as fit keep every activation (no recompute, no kept
-    attention output), from layer 0 up; one more would not fit."""
+@pytest.mark.parametrize("seq_len, bottom", [(32768, 31), (65536, 7)])
+def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, bottom):
+    """At 32k-64k the GPU has room: the top layer keeps every activation at no cost (beside the loss, and in
+    its own backward, which comes first), then as many layers as fit from layer 0 up (no recompute, no kept
+    attention output); one more would not fit. At 32k that is every layer."""
     chosen = plan(seq_len)
-    assert chosen.fits and chosen.count("full") == full and chosen.pinned == 0
-    assert chosen.placements == ["full"] * full + ["gpu"] * (32 - full)
-    assert chosen.attention == ["none"] * full + ["gpu"] * (32 - full)
-    assert chosen.gpu["full layers' activations"] == full * full_layer_bytes(chosen.shape, LORA, mlp_tiled=True)
-    assert f"full layers={full}" in chosen.describe()
-    assert not plan(seq_len, MemoryConfig(full_layers=full + 1)).fits
+    assert chosen.fits and chosen.count("full") == bottom + 1 and chosen.pinned == 0
+    assert chosen.placements == ["full"] * bottom + ["gpu"] * (31 - bottom) + ["full"]
+    assert chosen.attention == ["none"] * bottom + ["gpu"] * (31 - bottom) + ["none"]
+    assert chosen.gpu["full layers' activations"] == bottom * full_layer_bytes(chosen.shape, LORA, mlp_tiled=True)
+    assert f"full layers={bottom + 1}" in chosen.describe()
+    if bottom < 31:
+        assert not plan(seq_len, MemoryConfig(full_layers=bottom + 2)).fits
     LayerInputStore(chosen.placements, CopyEngine(torch.device("cpu")), chosen.attention)    # a valid layout
 
 
 @pytest.mark.parametrize("seq_len, train", [(131072, LORA), (262144, LORA), (524288, LORA),
                                             (65536, SimpleNamespace(mode="full", full_state="auto")),
                                             (131072, SimpleNamespace(mode="full", full_state="auto"))])
-def test_no_full_layer_where_the_gpu_has_no_room(seq_len, train):
-    chosen, without = plan(seq_len, train=train), plan(seq_len, MemoryConfig(full_layers=0), train=train)
-    assert chosen.count("full") == 0
+def test_only_the_top_layer_is_full_where_the_gpu_has_no_room(seq_len, train):
+    """The top layer's activations cost nothing: it is full where no other layer fits, and the plan holds
+    no more than one without full layers, recomputing less."""
+    chosen, top = plan(seq_len, train=train), plan(seq_len, MemoryConfig(full_layers=1), train=train)
+    without = plan(seq_len, MemoryConfig(full_layers=0), train=train)
+    assert chosen.count("full") == 1 and chosen.placements[-1] == "full" and "full" not in without.placements
     assert (chosen.placements, chosen.attention, chosen.gpu, chosen.host) == \
-        (without.placements, without.attention, without.gpu, without.host)
+        (top.placements, top.attention, top.gpu, top.host)
+    assert chosen.fits and chosen.pinned <= without.pinned
+    assert chosen.gpu_peak - without.gpu_peak <= without.shape.attention_bytes     # room a kept output freed
+    assert backward_attention_forwards(chosen.shape, chosen.placements, chosen.attention) <= \
+        backward_attention_forwards(without.shape, without.placements, without.attention)
 
 
-@pytest.mark.parametrize("seq_len, fits", [(8192, True), (32768, False)])
-def test_without_checkpointing_every_layer_is_a_full_one(seq_len, fits):
-    """Plain autograd keeps every layer's activations, plus the step's transient; at 32k that is just over
-    the H100, where the planner's 31 full layers and one checkpointed layer fit."""
+@pytest.mark.parametrize("seq_len, held", [(8192, 32), (32768, 31)])
+def test_without_checkpointing_every_layer_is_a_full_one(seq_len, held):
+    """Plain autograd keeps every layer's activations, plus the step's transient; where a checkpointed layer's
+    backward is the larger transient (32k, not 8k), the top layer's are held only beside the loss and in its
+    own backward (the first), which has room for them. At 8k and 32k it is the planner's own plan, every layer
+    full; at 64k it does not fit."""
     plain, checkpointed = plan(seq_len, MemoryConfig(checkpoint=False)), plan(seq_len)
-    assert plain.placements is None and plain.fits == fits
+    assert plain.placements is None and plain.fits and plain.gpu_peak == checkpointed.gpu_peak
+    assert checkpointed.placements == ["full"] * 32
     full = full_layer_bytes(plain.shape, LORA, mlp_tiled=plain.mlp_tiles > 1)
-    assert plain.gpu.pop("all layers' activations") == 32 * full
+    assert plain.gpu.pop("all layers' activations") == held * full
+    assert not plan(65536, MemoryConfig(checkpoint=False)).fits
     # the rest as checkpointed: weights, trainable state, rope tables and the same transient
     assert plain.gpu == {name: checkpointed.gpu[name] for name in plain.gpu}
 
 
 def test_an_explicit_full_layer_count_is_obeyed_gpu_inputs_first_then_host_ones():
-    three = plan(65536, MemoryConfig(full_layers=3))
-    assert three.fits and three.placements == ["full"] * 3 + ["gpu"] * 29
+    three = plan(65536, MemoryConfig(full_layers=3))      # the top one first: it costs nothing
+    assert three.fits and three.placements == ["full"] * 2 + ["gpu"] * 29 + ["full"]
     mixed = plan(32768, MemoryConfig(gpu_layers=2, full_layers=5))
-    assert mixed.placements[:5] == ["full"] * 5 and mixed.count("gpu") == 0 and mixed.count("host") == 27
+    assert mixed.placements[:4] == ["full"] * 4 and mixed.placements[-1] == "full"
+    assert mixed.count("gpu") == 0 and mixed.count("host") == 27
     forced = plan(65536, MemoryConfig(full_layers=32))
     assert not forced.fits and "memory.full_layers=null" in forced.failure()
 
@@ -168,10 +205,10 @@ def test_524k_recomputes_what_the_host_cannot_hold():
 
 def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
     long = plan(131072)
-    assert long.fits and long.placements == ["gpu"] * 32
+    assert long.fits and long.placements == ["gpu"] * 31 + ["full"]
     gpu_kept, host_kept = long.kept_attention("gpu"), long.kept_attention("host")
-    assert gpu_kept > 0 and host_kept > 0 and gpu_kept + host_kept == 32
-    assert long.attention == ["host"] * host_kept + ["gpu"] * gpu_kept    # the backward's first on the GPU
+    assert gpu_kept > 0 and host_kept > 0 and gpu_kept + host_kept == 31
+    assert long.attention == ["host"] * host_kept + ["gpu"] * gpu_kept + ["none"]    # the backward's first on the GPU
     output, lse = 131072 * 4096 * 2, 131072 * 32 * 4
     assert long.gpu["attention outputs on GPU"] == gpu_kept * (output + lse)
     assert long.gpu["attention output prefetch"] == output + lse
@@ -184,7 +221,7 @@ def test_a_gpu_slot_is_freed_for_prefetching_attention_outputs_when_inputs_fill_
     full = SimpleNamespace(mode="full", full_state="auto")
     without = plan(131072, MemoryConfig(kept_attention_layers=0), train=full)
     kept = plan(131072, train=full)
-    assert kept.fits and kept.kept_attention("host") == 32
+    assert kept.fits and kept.kept_attention("host") == 31       # every checkpointed layer's (the top is full)
     assert kept.count("gpu") < without.count("gpu") and kept.count("recompute") == without.count("recompute") == 0
 
 
@@ -199,7 +236,7 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
     kept = [i for i, output in enumerate(long.attention) if output != "none"]
     assert kept and all(long.placements[i] == "recompute" and long.attention[i] == "host" for i in kept)
     forwards = lambda p: backward_attention_forwards(p.shape, p.placements, p.attention)
-    assert forwards(long) == forwards(without) - len(kept) and forwards(without) == 32     # one per layer
+    assert forwards(long) == forwards(without) - len(kept) and forwards(without) == 31     # one per checkpointed layer
     assert recompute_flops(long.shape, long.placements, long.attention) < recompute_flops(
         without.shape, without.placements, without.attention)
 
@@ -224,11 +261,12 @@ def test_kept_attention_layers_is_obeyed():
 
 @pytest.mark.parametrize("count", [20, 32])
 def test_an_explicit_kept_attention_count_gets_the_gpu_prefetch_slot_too(count):
-    """Full fine-tuning at 131k keeps all 32 attention outputs on the host when the planner chooses; asking
-    for them (or fewer) must move the input that frees the prefetch slot just the same, not fail."""
+    """Full fine-tuning at 131k keeps the attention outputs of all 31 checkpointed layers on the host when the
+    planner chooses (the top layer is full); asking for them (or fewer) must move the input that frees the
+    prefetch slot just the same, not fail."""
     kept = plan(131072, MemoryConfig(kept_attention_layers=count), train=SimpleNamespace(mode="full",
                                                                                           full_state="auto"))
-    assert kept.fits and kept.kept_attention("host") == count
+    assert kept.fits and kept.kept_attention("host") == min(count, 31)
 
 
 @pytest.mark.parametrize("device, capacity, seq_len", [
@@ -283,8 +321,8 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 
 
 @pytest.mark.parametrize("overrides, usable", [
-    (["memory.gpu=h200"], "GPU peak  124.91 GiB of 129.41 GiB usable"),      # 6 full layers, cuDNN attention
-    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   24.86 GiB of 250.00 GiB usable"),
+    (["memory.gpu=h200"], "GPU peak  127.41 GiB of 129.41 GiB usable"),      # 8 full layers, cuDNN attention
+    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   22.83 GiB of 250.00 GiB usable"),
 ])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):
     result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
@@ -384,9 +422,10 @@ def test_trainer_fails_before_building_the_model_or_writing_the_run_dir(monkeypa
 
 
 def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
-    """Layer 1 can be rebuilt from layer 0's host copy: 16 of 32 layers, as with inputs on the GPU."""
+    """Every other checkpointed layer from the top can be rebuilt from the host copy of the one below: 15 of
+    the 31 below the full top layer, as with inputs on the GPU."""
     placements = plan(524288, MemoryConfig(gpu_layers=0, recomputed_inputs=32)).placements
-    assert placements.count("recompute") == 16 and placements.count("gpu") == 0
+    assert placements.count("recompute") == 15 and placements.count("gpu") == 0 and placements[-1] == "full"
     LayerInputStore(placements, CopyEngine(torch.device("cpu")))       # a valid layout
 
 

@@ -33,8 +33,9 @@ class MemoryConfig:
     # of a 131k-token step). One more [tokens, hidden] tensor per layer. None: as many as fit; 0: none.
     kept_attention_layers: Optional[int] = None
     # Layers not checkpointed at all ("full": autograd keeps their activations, ~6.5 [tokens, hidden] tensors
-    # each, so their backward recomputes nothing but MLP tiles), from the GPU room left. None: as many as
-    # fit (on CUDA with the Triton attention, whose saved tensors the planner counts); 0: none.
+    # each, so their backward recomputes nothing but MLP tiles), from the GPU room left, the top layer first
+    # (beside the loss its activations often cost nothing). None: as many as fit (on CUDA with the Triton
+    # attention, whose saved tensors the planner counts); 0: none.
     full_layers: Optional[int] = None
     # The MLP runs in sequence tiles of this many tokens (recomputed per tile in the backward), so its
     # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
