@@ -151,12 +151,14 @@ def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool
                     sequence_parallel: int = 1) -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
     checkpointing (plain autograd) every layer is a full one and keeps its activations under it, but for the
-    top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`)."""
+    top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`; one CUDA process)."""
     transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles), attention_kernel)
     if checkpointing:
         return transient
     full_layer = full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type, sequence_parallel)
-    held = shape.arch.num_hidden_layers - top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel)
+    top_free = (device_type == "cuda" and sequence_parallel == 1     # as the planner's full layers (offload.plan)
+                and top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel))
+    held = shape.arch.num_hidden_layers - top_free
     return {"all layers' activations": held * full_layer, **transient}
 
 

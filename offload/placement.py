@@ -26,12 +26,15 @@ def _recomputable(layers: int, on_gpu: int) -> range:
     return range(layers - 1, on_gpu, -2)
 
 
-def _placements(layers: int, on_gpu: int, recomputed: int) -> list[str]:
+def _placements(layers: int, on_gpu: int, recomputed: int, from_embedding: bool) -> list[str]:
     """First `on_gpu` layers on the GPU; `recomputed` layers from the top, every other one; the rest on
-    the host."""
+    the host. `from_embedding`: layer 0's input, wherever it would be kept, is looked up again from the
+    token embedding instead ("embedding"), which costs a gather and no bytes."""
     placements = ["gpu"] * on_gpu + ["host"] * (layers - on_gpu)
     for index in _recomputable(layers, on_gpu)[:recomputed]:
         placements[index] = "recompute"
+    if from_embedding:
+        placements[0] = "embedding"
     return placements
 
 
@@ -91,28 +94,29 @@ class KeptLayers:
 
 
 def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, host_room: int,
-                layers: int) -> KeptLayers:
+                layers: int, from_embedding: bool) -> KeptLayers:
     """Where the bottom `layers` checkpointed layers keep their inputs and attention outputs: layer inputs
-    first (the first k on the GPU, the rest on the host, recomputed when the host is full), then attention
-    outputs in what room is left. When the inputs do not all fit the GPU, keeping attention
-    outputs on the host needs a GPU slot for prefetching them: reserving it may move one input to the host,
-    which is taken if it keeps more attention outputs without recomputing more inputs."""
+    first (the first k on the GPU, the rest on the host, recomputed when the host is full; with
+    `from_embedding` layer 0's looked up again instead), then attention outputs in what room is left. When
+    the inputs do not all fit the GPU, keeping attention outputs on the host needs a GPU slot for prefetching
+    them: reserving it may move one input to the host, which is taken if it keeps more attention outputs
+    without recomputing more inputs."""
     offload = memory_cfg.offload and device.type == "cuda"
-    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve, layers)
+    candidates = [_keep_inputs_then_attention(shape, memory_cfg, offload, room, host_room, reserve, layers,
+                                              from_embedding)
                   for reserve in ((0, shape.attention_bytes) if offload else (0,))]
     if (offload and memory_cfg.recomputed_inputs is None and memory_cfg.kept_attention_layers is None
             and shape.output_fits_input_slot):
-        candidates.append(_recomputing_for_outputs(shape, room, host_room, candidates[0]))
+        candidates += _recomputing_for_outputs(shape, room, host_room, candidates[0])
+    return min(candidates, key=lambda kept: _rank(shape, room, host_room, kept))
 
-    def rank(kept: KeptLayers) -> tuple:
-        # One that fits first (an explicit kept_attention_layers count fits only with the reserve), then the
-        # least recomputation, fewest recomputed inputs, most kept attention outputs; min() keeps the first (no
-        # reserve) on ties.
-        overflows = sum(kept.gpu.values()) > room.bytes or sum(kept.host.values()) > host_room
-        return (overflows, recompute_flops(shape, kept.placements, kept.attention),
-                kept.placements.count("recompute"), kept.attention.count("none"))
 
-    return min(candidates, key=rank)
+def _rank(shape: Shape, room: GpuRoom, host_room: int, kept: KeptLayers) -> tuple:
+    """One that fits first (an explicit kept_attention_layers count fits only with the reserve), then the least
+    recomputation, fewest recomputed inputs, most kept attention outputs; min() keeps the first on ties."""
+    overflows = sum(kept.gpu.values()) > room.bytes or sum(kept.host.values()) > host_room
+    return (overflows, recompute_flops(shape, kept.placements, kept.attention),
+            kept.placements.count("recompute"), kept.attention.count("none"))
 
 
 def rebuilding_keeps(shape: Shape, placements: list[str], attention: list[str], index: int) -> bool:
@@ -142,42 +146,66 @@ def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -
             + placements.count("recompute") * rest_of_layer)
 
 
-def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers) -> KeptLayers:
-    """Where the host cannot hold every input (`base` recomputes some), recompute more, each keeping its own
-    attention output on the host in the room its input would take: the layer below rebuilds its input and
-    keeps its own output from that run (`rebuilds_attention`), so a pair of such layers runs one attention
-    forward in the backward instead of two, for the rebuild's other work (at 524k tokens about 0.5 s against
-    3.5 s). As many as the host and GPU hold; `base` itself when none fits."""
-    layers, on_gpu = len(base.placements), base.placements.count("gpu")
-    recomputed = base.placements.count("recompute")
-    if not recomputed:
-        return base
-    best = base
-    for extra in range(1, max_recomputed(layers, on_gpu) - recomputed + 1):
-        placements = _placements(layers, on_gpu, recomputed + extra)
-        outputs = _recomputable(layers, on_gpu)[:extra]     # from the top
-        attention = ["host" if i in outputs else "none" for i in range(layers)]
-        gpu, host = _layer_bytes(shape, placements, attention, 0, room)
-        if sum(gpu.values()) > room.bytes or sum(host.values()) > host_room:
+def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers) -> list[KeptLayers]:
+    """Where the host cannot hold every input (`base` recomputes some), layouts that recompute more, each
+    recomputed input keeping its own attention output where its input would have been: the layer below
+    rebuilds its input and keeps its own output from that run (`rebuilds_attention`), so a pair of such
+    layers runs one attention forward in the backward instead of two, for the rebuild's other work (at 524k
+    tokens about 0.5 s against 3.5 s). Outputs go to the host room left, then to the GPU room left, for every
+    count of recomputed inputs and of GPU-kept inputs up to `base`'s (an input moved to the host leaves a GPU
+    slot an output can take); none when `base` recomputes nothing."""
+    if "recompute" not in base.placements:
+        return []
+    from_embedding = base.placements[0] == "embedding"
+    layers, most_on_gpu = len(base.placements), base.placements.count("gpu") + from_embedding
+    layouts = []
+    for on_gpu in range(most_on_gpu, int(from_embedding) - 1, -1):     # 0 and 1 are one layout with "embedding"
+        for recomputed in range(1, max_recomputed(layers, on_gpu) + 1):
+            kept = _keeping_own_outputs(shape, room, host_room, _placements(layers, on_gpu, recomputed, from_embedding),
+                                        _recomputable(layers, on_gpu)[:recomputed])
+            if kept is not None:
+                layouts.append(kept)
+    return layouts
+
+
+def _keeping_own_outputs(shape: Shape, room: GpuRoom, host_room: int, placements: list[str],
+                         recomputed: range) -> KeptLayers | None:
+    """`placements` with the `recomputed` layers (from the top) keeping their attention outputs, on the host
+    while its room lasts, then on the GPU while its room lasts; None where the inputs alone do not fit."""
+    attention = ["none"] * len(placements)
+    gpu, host = _layer_bytes(shape, placements, attention, 0, room)
+    host_left = host_room - sum(host.values())
+    if sum(gpu.values()) > room.bytes or host_left < 0:
+        return None
+    on_host = min(len(recomputed), host_left // shape.attention_pinned_bytes)
+    for index in recomputed[:on_host]:
+        attention[index] = "host"
+    for index in recomputed[on_host:]:
+        attention[index] = "gpu"
+        if sum(_layer_bytes(shape, placements, attention, 0, room)[0].values()) > room.bytes:
+            attention[index] = "none"
             break
-        best = KeptLayers(placements, attention, gpu, host)
-    return best
+    return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0, room))
 
 
 def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: GpuRoom, host_room: int,
-                                reserve: int, layers: int) -> KeptLayers:
+                                reserve: int, layers: int, from_embedding: bool) -> KeptLayers:
     no_attention = ["none"] * layers
 
     def gpu_bytes(placements: list[str], attention: list[str]) -> int:
         return sum(_layer_bytes(shape, placements, attention, 0, room)[0].values())
 
+    def inputs(on_gpu: int, recomputed: int) -> list[str]:
+        return _placements(layers, on_gpu, recomputed, from_embedding)
+
     # Without CUDA there is nowhere to offload to: the "GPU" is the host.
     on_gpu = layers if not offload else min(layers, memory_cfg.gpu_layers) if memory_cfg.gpu_layers is not None \
-        else _most(lambda n: gpu_bytes(_placements(layers, n, 0), no_attention) + reserve <= room.bytes, layers)
-    needed = max(0, layers - on_gpu - host_room // pinned_size(shape.activation)) if on_gpu < layers else 0
+        else _most(lambda n: gpu_bytes(inputs(n, 0), no_attention) + reserve <= room.bytes, layers)
+    on_host = inputs(on_gpu, 0).count("host")
+    needed = max(0, on_host - host_room // pinned_size(shape.activation))
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
-    placements = _placements(layers, on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
+    placements = inputs(on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
     inputs_host = _layer_bytes(shape, placements, no_attention, 0, room)[1]
 
     def attention_fits(on_gpu: int, slot: int) -> bool:
@@ -232,11 +260,12 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
     saves one layer recompute of equal cost, so the order only decides the bytes. With `top_costs_nothing`
     (byte_model.top_layer_full_costs_nothing: `kept` then places the layers below the top) the top layer comes
     first, a full layer the plan counts no bytes for; then layers whose input is on the GPU (paid for
-    already), then host-kept ones, from layer 0 up; never one below a recomputed input, which is rebuilt from
+    already), then host-kept ones and layer 0's looked up from the embedding, from layer 0 up; never one below a recomputed input, which is rebuilt from
     the input the layer below keeps."""
     placements, attention = list(kept.placements), list(kept.attention)
     candidates = [i for i, p in enumerate(placements) if p == "gpu"] + [
-        i for i, p in enumerate(placements) if p == "host" and placements[i + 1:i + 2] != ["recompute"]]
+        i for i, p in enumerate(placements)
+        if p in ("host", "embedding") and placements[i + 1:i + 2] != ["recompute"]]
     chosen, costs = int(top_costs_nothing), (kept.gpu, kept.host)
     for index in candidates:
         if wanted is not None and chosen == wanted:

@@ -48,6 +48,8 @@ class MemoryPlan:
     full_state: str | None = None
     # The attention kernel the bytes were counted for (kernels.dispatch.ATTENTION_KERNELS).
     attention_kernel: str = "flash"
+    # The top layer is full at no cost: its bytes are not among the full layers' (offload.placement).
+    top_layer_free: bool = False
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -89,11 +91,15 @@ class MemoryPlan:
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, {full}"
                  f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
                  f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")
-                 + f", attention kernel {self.attention_kernel}"]
+                 + f", attention kernel {self.attention_kernel}"
+                 + (", layer 0's input looked up again from the embedding" if self.count("embedding") else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")
             lines += [f"    {name:<28s}{size / GIB:8.2f} GiB" for name, size in items.items()]
+            if title == self.device_label and self.top_layer_free:
+                lines.append("    (the top layer's activations, full, fit in the transient: they live beside the loss "
+                             "and in its own backward, the first)")
             if title == self.device_label and FULLEST_MOMENT in items:
                 lines.append("    (its fullest moment, in the backward: the gradients made so far and what the "
                              "layers below keep)")
@@ -170,21 +176,27 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     gpu = dict(static)
     host = {"process baseline": HOST_BASELINE, **trainable_host}
     placements = attention = None
+    top_full = False
     if memory_cfg.checkpoint:
         full_layer = full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type, sequence_parallel)
         wanted_full = _wanted_full_layers(memory_cfg, device)
-        top_full = wanted_full != 0 and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel)
+        # One process only: sequence parallelism's and FSDP2's own buffers around the top layer are not measured.
+        top_full = (wanted_full != 0 and ranks.world == 1
+                    and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel))
         room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient,
                        int(top_full))
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
-        kept = keep_layers(shape, memory_cfg, device, room, host_room, arch.num_hidden_layers - top_full)
+        # Layer 0's input is the token embedding's lookup, done again in its backward rather than kept; not under
+        # FSDP2 (parallel.shard), whose embedding weight is whole only inside its module's own hooks.
+        kept = keep_layers(shape, memory_cfg, device, room, host_room, arch.num_hidden_layers - top_full,
+                           from_embedding=not sharded)
         kept = with_full_layers(kept, shape, full_layer, room, host_room, wanted_full, top_full)
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)
         host.update(kept.host)
     gpu.update(transient)
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
-                      attention_kernel=attention_kernel)
+                      attention_kernel=attention_kernel, top_layer_free=top_full)
 
 
 def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True) -> int:

@@ -4,7 +4,8 @@
 (the model code knows nothing of this) and the MLPs' `forward`. Per checkpointed decoder layer, only its
 input survives the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the
 next layer computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" /
-"recompute" placements; offload.store holds them). A "full" layer is not checkpointed: plain autograd
+"recompute" placements; offload.store holds them); layer 0's, the token embedding's output, is looked up
+again from the token ids ("embedding", recorded by a forward hook on the embedding). A "full" layer is not checkpointed: plain autograd
 keeps its activations and its backward recomputes nothing but its tiled MLP's tiles. The backward of a
 checkpointed layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
 layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
@@ -200,10 +201,13 @@ class MemoryPolicy:
         self.anchor = torch.empty(0, requires_grad=True)
         self.mlp_tiles = mlp_tiles
         self.unread = UnreadOutputs()
+        self.lookup_hook = None
 
     def install(self) -> "MemoryPolicy":
         if self.store is not None:
             self.decoder.run_layer = self.run_layer
+            if "embedding" in self.store.placements:
+                self.lookup_hook = self.decoder.embed_tokens.register_forward_hook(self.store.record_lookup)
         if self.mlp_tiles > 1:
             for layer in self.layers:
                 layer.mlp.forward = TiledForward(layer.mlp.forward, self.mlp_tiles, self.anchor, self.unread)
@@ -214,6 +218,8 @@ class MemoryPolicy:
     def remove(self) -> None:
         """Restore the plain model (and drop the pinned pool)."""
         self.decoder.__dict__.pop("run_layer", None)
+        if self.lookup_hook is not None:
+            self.lookup_hook.remove()
         for layer in self.layers:
             layer.mlp.__dict__.pop("forward", None)
             _down_projection(layer.mlp).__dict__.pop("forward", None)

@@ -1,6 +1,7 @@
 """Where each decoder layer's input (and its kept attention outputs) lives between its forward and its
 backward: on the GPU, in pinned host memory (copied on the copy engine's side stream), or nowhere
-("recompute": rebuilt from the layer below's input), plus the autocast and RNG state that lets a
+("recompute": rebuilt from the layer below's input; "embedding", layer 0's: the token embedding's lookup,
+done again from the token ids), plus the autocast and RNG state that lets a
 recomputation compute what the forward did. `offload.policy` drives it. A "full" layer is not
 checkpointed at all: plain autograd keeps its activations, so the store holds nothing for it.
 """
@@ -14,9 +15,9 @@ import torch
 from kernels.attention_tape import AttentionTape
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
-PLACEMENTS = ("gpu", "host", "recompute", "full")
-# Placements whose input the store keeps: a "recompute" layer is rebuilt from the layer below's.
-KEPT = ("gpu", "host")
+PLACEMENTS = ("gpu", "host", "recompute", "full", "embedding")
+# Placements whose input the store keeps (or looks up again): a "recompute" layer is rebuilt from the layer below's.
+KEPT = ("gpu", "host", "embedding")
 ATTENTION_PLACEMENTS = ("gpu", "host", "none")
 
 
@@ -74,7 +75,19 @@ def copied_back_ahead(placements: list[str], attention: list[str], index: int) -
     return attention[index] == "host" and placements[index] != "recompute"
 
 
-Payload = torch.Tensor | HostCopy | PendingTensor
+@dataclass(eq=False)
+class EmbeddingLookup:
+    """Layer 0's input as the token embedding's lookup of `ids`, done again when its backward needs it (a
+    gather writing one layer input, against keeping that input through the step)."""
+    embedding: torch.nn.Embedding
+    ids: torch.Tensor
+
+    def tensor(self) -> torch.Tensor:
+        with torch.no_grad():       # the forward's lookup keeps the autograd node the gradient flows to
+            return torch.nn.functional.embedding(self.ids, self.embedding.weight, self.embedding.padding_idx)
+
+
+Payload = torch.Tensor | HostCopy | PendingTensor | EmbeddingLookup
 
 
 def _started(payload: Payload, engine: CopyEngine) -> Payload:
@@ -83,7 +96,10 @@ def _started(payload: Payload, engine: CopyEngine) -> Payload:
 
 
 def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
-    """The payload on the device, the current stream waiting for its copy if one is in flight."""
+    """The payload on the device, the current stream waiting for its copy if one is in flight (or looked up
+    again from the embedding)."""
+    if isinstance(payload, EmbeddingLookup):
+        return payload.tensor()
     payload = _started(payload, engine)
     return payload.wait() if isinstance(payload, PendingTensor) else payload
 
@@ -99,6 +115,8 @@ def check_placements(placements: list[str], attention: list[str]) -> None:
     if any(p == "recompute" and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
         raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu or host): not layer 0, "
                          f"never above a 'recompute' or 'full' layer; got {placements}")
+    if "embedding" in placements[1:]:
+        raise ValueError(f"only layer 0's input is the token embedding's output ('embedding'); got {placements}")
     if any(p == "full" and a != "none" for p, a in zip(placements, attention)):
         raise ValueError("a 'full' layer is never recomputed, so its attention placement must be 'none'; got "
                          f"placements {placements}, attention {attention}")
@@ -128,6 +146,12 @@ class LayerInputStore:
         check_placements(placements, attention)
         self.placements, self.attention, self.engine = placements, attention, engine
         self.stored: dict[int, StoredInput] = {}
+        # The embedding's last lookup and its output's address (`record_lookup`), for an "embedding" layer 0.
+        self.lookup: tuple[EmbeddingLookup, int] | None = None
+
+    def record_lookup(self, embedding: torch.nn.Embedding, args: tuple, output: torch.Tensor) -> None:
+        """Forward hook of the model's token embedding: what layer 0's "embedding" placement looks up again."""
+        self.lookup = EmbeddingLookup(embedding, args[0]), output.data_ptr()
 
     def keep(self, index: int, hidden: torch.Tensor) -> object:
         """Keep layer `index`'s input (replacing what an earlier forward kept for it); returns the token its
@@ -138,10 +162,22 @@ class LayerInputStore:
             payload = hidden.detach()
         elif placement == "host":
             payload = self.engine.to_host(input_key(index), hidden.detach())
+        elif placement == "embedding":
+            payload = self._looked_up(hidden)
         below = self.stored[index - 1].token if placement == "recompute" else None
         record = StoredInput(placement, payload, ReplayState.capture(hidden.device), below)
         self.stored[index] = record
         return record.token
+
+    def _looked_up(self, hidden: torch.Tensor) -> EmbeddingLookup:
+        """The lookup whose output `hidden` is (layer 0's input), taken: refused for any other tensor, which
+        the lookup would not give back."""
+        lookup, self.lookup = self.lookup, None
+        if lookup is None or lookup[1] != hidden.data_ptr():
+            raise RuntimeError("layer 0's input is placed 'embedding' (looked up again from the token ids in the "
+                               "backward), but it is not the output of the model's token embedding in this forward: "
+                               "place it 'gpu' or 'host'")
+        return lookup[0]
 
     def check_owner(self, index: int, token: object) -> None:
         """Refuse a backward whose kept input (or the one it is rebuilt from) is no longer its forward's: the

@@ -62,7 +62,9 @@ def main(cfg) -> None:
     print(plan.describe() if plan.fits else plan.failure())
     if plan.placements is not None:
         full = " f=full: every activation kept" if "full" in plan.placements else ""
-        print("layer inputs:     ", " ".join(p[0] for p in plan.placements), f"(g=gpu h=host r=recomputed{full})")
+        embedding = " e=looked up from the embedding" if "embedding" in plan.placements else ""
+        print("layer inputs:     ", " ".join(p[0] for p in plan.placements),
+              f"(g=gpu h=host r=recomputed{full}{embedding})")
         rebuilt = [rebuilding_keeps(plan.shape, plan.placements, plan.attention, i) for i in range(len(plan.attention))]
         print("attention outputs:", " ".join("b" if b else p[0] for p, b in zip(plan.attention, rebuilt)),
               "(g=gpu h=host n=not kept" + (", b=kept by the forward that rebuilds the input above)" if any(rebuilt)

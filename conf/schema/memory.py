@@ -22,7 +22,9 @@ class MemoryConfig:
     checkpoint: bool = True
     # Copy the kept layer inputs to pinned host memory on a side CUDA stream. False keeps them on the GPU.
     offload: bool = True
-    # Layers (the first k) whose inputs stay on the GPU. None: as many as the planner finds room for.
+    # Layers (the first k) whose inputs stay on the GPU. None: as many as the planner finds room for. Layer 0's
+    # input, the token embedding's output, is looked up again in its backward instead (one process), and a
+    # top layer that is full at no cost (full_layers) is not among the checkpointed ones these counts place.
     gpu_layers: Optional[int] = None
     # Layers whose inputs are not kept at all but recomputed in the backward from the previous layer's
     # input (one extra layer forward each). Needed when host memory cannot hold every input (524k tokens
@@ -33,9 +35,10 @@ class MemoryConfig:
     # of a 131k-token step). One more [tokens, hidden] tensor per layer. None: as many as fit; 0: none.
     kept_attention_layers: Optional[int] = None
     # Layers not checkpointed at all ("full": autograd keeps their activations, ~6.5 [tokens, hidden] tensors
-    # each, so their backward recomputes nothing but MLP tiles), from the GPU room left, the top layer first
-    # (beside the loss its activations often cost nothing). None: as many as fit (on CUDA with the Triton
-    # attention, whose saved tensors the planner counts); 0: none.
+    # each, so their backward recomputes nothing but MLP tiles), from the GPU room left: the top layer first
+    # where its activations cost nothing (on one CUDA process, where a layer's backward needs more than the
+    # loss by a full layer's bytes: Llama-3-8B from about 32k), then from layer 0 up. None: as many as fit (on
+    # CUDA with the Triton attention, whose saved tensors the planner counts); 0: none.
     full_layers: Optional[int] = None
     # The MLP runs in sequence tiles of this many tokens (recomputed per tile in the backward), so its
     # 14336-wide intermediates stay bounded as the sequence grows. `mlp_tiles` overrides the count.
