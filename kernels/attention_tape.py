@@ -12,6 +12,10 @@ log-sum-exp are all the attention backward needs besides q, k, v. A memory polic
     with tape.replaying():
         y = layer(x)                     # each attention call returns its saved out, no forward kernel
 
+A replayed entry may be a zero-argument callable instead of a tensor (a copy back to the device still in
+flight): the replay calls it when the attention reaches it, so the copy overlaps the layer's work before its
+attention (norm, projections, RoPE) instead of holding up the whole recomputation.
+
 The Triton attention (kernels.flash_attention) and cuDNN's (kernels.cudnn_attention) take part; the
 reference attention computes as usual, leaving the tape empty, which the policy treats as nothing kept.
 The model code knows nothing of this.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +32,9 @@ import torch
 
 @dataclass
 class AttentionTape:
-    """The (out, lse) pairs of one block's attention calls, in call order."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """The (out, lse) pairs of one block's attention calls, in call order (to replay: tensors, or callables
+    giving them when the call comes)."""
+    saved: list[tuple[torch.Tensor | Callable[[], torch.Tensor], ...]] = field(default_factory=list)
 
     @contextlib.contextmanager
     def recording(self):
@@ -86,7 +92,7 @@ def replayed(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if use.cursor >= len(use.tape.saved):
         raise RuntimeError(f"attention tape replayed past its {len(use.tape.saved)} recorded call(s): the "
                            "recomputation makes more attention calls than the recorded forward did")
-    out, lse = use.tape.saved[use.cursor]
+    out, lse = (part() if callable(part) else part for part in use.tape.saved[use.cursor])
     use.cursor += 1
     if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
         raise RuntimeError(f"attention tape entry {use.cursor - 1} holds a {tuple(out.shape)} {out.dtype} output "

@@ -8,6 +8,7 @@ checkpointed at all: plain autograd keeps its activations, so the store holds no
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,11 @@ def _on_device(payload: Payload, engine: CopyEngine) -> torch.Tensor:
         return payload.tensor()
     payload = _started(payload, engine)
     return payload.wait() if isinstance(payload, PendingTensor) else payload
+
+
+def _when_replayed(payload: Payload) -> torch.Tensor | Callable[[], torch.Tensor]:
+    """A started payload as an attention tape entry: a copy in flight is waited for by the call replaying it."""
+    return payload.wait if isinstance(payload, PendingTensor) else payload
 
 
 def check_placements(placements: list[str], attention: list[str]) -> None:
@@ -231,12 +237,13 @@ class LayerInputStore:
             self.stored[index].attention = [(out_host, lse)]
 
     def take_attention(self, index: int) -> AttentionTape | None:
-        """Layer `index`'s kept attention outputs on the device as a tape to replay (None: none kept)."""
+        """Layer `index`'s kept attention outputs as a tape to replay (None: none kept), their copies back started:
+        the compute stream waits for each when the attention call replaying it comes (`_when_replayed`)."""
         record = self.stored[index]
         if not record.attention:
             return None
-        record.attention = [tuple(_on_device(p, self.engine) for p in pair) for pair in record.attention]
-        return AttentionTape(list(record.attention))
+        record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
+        return AttentionTape([tuple(map(_when_replayed, pair)) for pair in record.attention])
 
     def prefetch_attention(self, index: int, ahead: bool = False) -> None:
         """Start copying back layer `index`'s kept attention outputs (its backward comes next). `ahead`: asked

@@ -277,6 +277,18 @@ def test_a_tape_neither_takes_nor_answers_another_threads_calls():
     assert tape.saved == [] and answers == [None, None]
 
 
+def test_a_pending_entry_is_resolved_by_the_call_that_replays_it():
+    """A memory policy may hand the tape a copy still in flight as a callable: it is called when the attention
+    call replaying it comes, not before, and the call gets its tensors."""
+    pair = (torch.zeros(1, 4, 2, 64), torch.zeros(1, 2, 4))
+    resolved = []
+    tape = AttentionTape([tuple(lambda t=t: resolved.append(t) or t for t in pair)])
+    with tape.replaying():
+        assert resolved == []
+        out, lse = attention_tape.replayed(pair[0])
+    assert out is pair[0] and lse is pair[1] and len(resolved) == 2
+
+
 def test_one_pass_statistics_are_padded_to_aligned_rows():
     """The one-pass backward reads each head's lse and delta rows by TMA, from 16-byte aligned addresses: at a
     length that is not a multiple of 4 floats they are copied with zero-padded rows; otherwise left as they are."""

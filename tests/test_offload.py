@@ -329,7 +329,14 @@ def traced_step(monkeypatch, attention=None):
     for index, layer in enumerate(model.get_base_model().model.layers):
         layer.register_forward_pre_hook(lambda module, args, index=index: events.append(f"layer {index}"))
     to_device = policy.engine.to_device
-    policy.engine.to_device = lambda stored: events.append(stored.host.data_ptr()) or to_device(stored)
+
+    def copied_back(stored):      # the copy's start as its host buffer, the wait for it as ("wait", buffer)
+        events.append(stored.host.data_ptr())
+        pending = to_device(stored)
+        wait = pending.wait
+        pending.wait = lambda: events.append(("wait", stored.host.data_ptr())) or wait()
+        return pending
+    policy.engine.to_device = copied_back
     assert_same(reference, loss_and_grads(model, input_ids, labels))
     assert not policy.store.stored
     return policy, events, planned_backward_forwards(model, 24, policy)
@@ -348,7 +355,9 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
     layer_1_buffer = policy.engine.pool.buffers[input_key(1)].data_ptr()
     backward = events[events.index("layer 3", 7):]      # from layer 3's recomputation on (8 forward events)
     assert backward[backward.index("layer 2"):backward.index("layer 0")] == [
-        "layer 2", "attention", layer_1_buffer, "layer 1"]
+        "layer 2", "attention", layer_1_buffer, "layer 1", ("wait", layer_1_buffer)]
+    # waited for when layer 1's attention replays it, inside its recomputation: the copy holds up the
+    # attention, not the layer's work before it
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
