@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
 #   bash scripts/gpu_session.sh recall_curve_bg poll; bash scripts/gpu_session.sh poll   # the recall curve
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
+#   bash scripts/gpu_session.sh offload_cuda_tests long_steps poll   # the next session's first call (BENCHMARKS)
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
@@ -40,6 +41,9 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
     kernel_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
+    offload_cuda_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short tests/test_offload.py -k cuda \
+        2>&1 | tee $OUT/offload_cuda_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     training_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
