@@ -148,7 +148,7 @@ class Shape:
 
 def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool,
                     device_type: str = "cuda", attention_kernel: str = "flash",
-                    sequence_parallel: int = 1) -> dict[str, int]:
+                    sequence_parallel: int = 1, one_process: bool = True) -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
     checkpointing (plain autograd) every layer is a full one and keeps its activations under it, but for the
     top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`; one CUDA process)."""
@@ -156,7 +156,7 @@ def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool
     if checkpointing:
         return transient
     full_layer = full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type, sequence_parallel)
-    top_free = (device_type == "cuda" and sequence_parallel == 1     # as the planner's full layers (offload.plan)
+    top_free = (device_type == "cuda" and one_process        # as for the planner's full layers (offload.plan)
                 and top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel))
     held = shape.arch.num_hidden_layers - top_free
     return {"all layers' activations": held * full_layer, **transient}

@@ -149,7 +149,8 @@ class CopyEngine:
             self._timed_copy(tensor, stored.host, nbytes)
             done = torch.cuda.Event()
             done.record(self.stream)
-        # No record_stream here: the backward waits on each copy before it uses the tensor (one left unused by
+        # No record_stream here: the backward waits on each copy before it uses the tensor (an input before its
+        # layer's recomputation, a kept attention output at the attention call replaying it; one left unused by
         # a backward that raised is freed only when the next forward replaces it, seconds later), and
         # record_stream would hold every block until all later prefetches are done, raising the peak.
         return PendingTensor(tensor, done, self)

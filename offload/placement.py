@@ -107,7 +107,8 @@ def keep_layers(shape: Shape, memory_cfg, device: torch.device, room: GpuRoom, h
                   for reserve in ((0, shape.attention_bytes) if offload else (0,))]
     if (offload and memory_cfg.recomputed_inputs is None and memory_cfg.kept_attention_layers is None
             and shape.output_fits_input_slot):
-        candidates += _recomputing_for_outputs(shape, room, host_room, candidates[0])
+        candidates += _recomputing_for_outputs(shape, room, host_room, candidates[0],
+                                               vary_gpu_inputs=memory_cfg.gpu_layers is None)
     return min(candidates, key=lambda kept: _rank(shape, room, host_room, kept))
 
 
@@ -146,20 +147,23 @@ def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -
             + placements.count("recompute") * rest_of_layer)
 
 
-def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers) -> list[KeptLayers]:
+def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers,
+                             vary_gpu_inputs: bool) -> list[KeptLayers]:
     """Where the host cannot hold every input (`base` recomputes some), layouts that recompute more, each
     recomputed input keeping its own attention output where its input would have been: the layer below
     rebuilds its input and keeps its own output from that run (`rebuilds_attention`), so a pair of such
     layers runs one attention forward in the backward instead of two, for the rebuild's other work (at 524k
     tokens about 0.5 s against 3.5 s). Outputs go to the host room left, then to the GPU room left, for every
-    count of recomputed inputs and of GPU-kept inputs up to `base`'s (an input moved to the host leaves a GPU
-    slot an output can take); none when `base` recomputes nothing."""
+    count of recomputed inputs and, with `vary_gpu_inputs` (memory.gpu_layers unset), of GPU-kept inputs up
+    to `base`'s (an input moved to the host leaves a GPU slot an output can take); none when `base`
+    recomputes nothing."""
     if "recompute" not in base.placements:
         return []
     from_embedding = base.placements[0] == "embedding"
     layers, most_on_gpu = len(base.placements), base.placements.count("gpu") + from_embedding
     layouts = []
-    for on_gpu in range(most_on_gpu, int(from_embedding) - 1, -1):     # 0 and 1 are one layout with "embedding"
+    fewest_on_gpu = int(from_embedding) if vary_gpu_inputs else most_on_gpu    # 0 and 1: one layout with "embedding"
+    for on_gpu in range(most_on_gpu, fewest_on_gpu - 1, -1):
         for recomputed in range(1, max_recomputed(layers, on_gpu) + 1):
             kept = _keeping_own_outputs(shape, room, host_room, _placements(layers, on_gpu, recomputed, from_embedding),
                                         _recomputable(layers, on_gpu)[:recomputed])

@@ -166,7 +166,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
     tiles = _mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
-                                attention_kernel, sequence_parallel)
+                                attention_kernel, sequence_parallel, one_process=ranks.world == 1)
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
     if sharded and full_state:
@@ -186,10 +186,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient,
                        int(top_full))
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
-        # Layer 0's input is the token embedding's lookup, done again in its backward rather than kept; not under
-        # FSDP2 (parallel.shard), whose embedding weight is whole only inside its module's own hooks.
         kept = keep_layers(shape, memory_cfg, device, room, host_room, arch.num_hidden_layers - top_full,
-                           from_embedding=not sharded)
+                           from_embedding=_embedding_looked_up_again(train_cfg, sharded))
         kept = with_full_layers(kept, shape, full_layer, room, host_room, wanted_full, top_full)
         placements, attention = kept.placements, kept.attention
         gpu.update(kept.gpu)
@@ -197,6 +195,16 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     gpu.update(transient)
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
                       attention_kernel=attention_kernel, top_layer_free=top_full)
+
+
+def _embedding_looked_up_again(train_cfg, sharded: bool) -> bool:
+    """Whether layer 0's input, the token embedding's output, is looked up again in its backward rather than
+    kept (offload.store.EmbeddingLookup): for a plain embedding, not one with a LoRA adapter (whose forward
+    adds the adapter's product), and not under FSDP2 (parallel.shard), whose embedding weight is whole only
+    inside its module's own hooks."""
+    adapted = train_cfg.mode == "lora" and any(name.rsplit(".", 1)[-1] == "embed_tokens"
+                                               for name in train_cfg.lora_target_modules)
+    return not (adapted or sharded)
 
 
 def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True) -> int:

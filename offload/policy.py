@@ -28,7 +28,7 @@ from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
-from offload.store import LayerInputStore, ReplayState, attention_key, input_key
+from offload.store import EmbeddingLookup, LayerInputStore, ReplayState, attention_key, input_key
 
 
 def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
@@ -207,6 +207,7 @@ class MemoryPolicy:
         if self.store is not None:
             self.decoder.run_layer = self.run_layer
             if "embedding" in self.store.placements:
+                EmbeddingLookup.check_looked_up_again(self.decoder.embed_tokens)
                 self.lookup_hook = self.decoder.embed_tokens.register_forward_hook(self.store.record_lookup)
         if self.mlp_tiles > 1:
             for layer in self.layers:

@@ -8,6 +8,7 @@ checkpointed at all: plain autograd keeps its activations, so the store holds no
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,9 +80,18 @@ def copied_back_ahead(placements: list[str], attention: list[str], index: int) -
 @dataclass(eq=False)
 class EmbeddingLookup:
     """Layer 0's input as the token embedding's lookup of `ids`, done again when its backward needs it (a
-    gather writing one layer input, against keeping that input through the step)."""
+    gather writing one layer input, against keeping that input through the step). A plain nn.Embedding only
+    (`check_looked_up_again`): a wrapper's forward (a LoRA adapter on it) would add what this lookup does not."""
     embedding: torch.nn.Embedding
     ids: torch.Tensor
+
+    @staticmethod
+    def check_looked_up_again(embedding: torch.nn.Module) -> None:
+        """Raise ValueError unless a lookup done again gives what `embedding`'s forward gave."""
+        if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:
+            raise ValueError(f"layer 0's input is placed 'embedding' (looked up again in its backward), which needs "
+                             f"a plain nn.Embedding without max_norm, not {type(embedding).__name__}: place it 'gpu' "
+                             "or 'host' (the planner does where the embedding trains an adapter)")
 
     def tensor(self) -> torch.Tensor:
         with torch.no_grad():       # the forward's lookup keeps the autograd node the gradient flows to
@@ -152,12 +162,13 @@ class LayerInputStore:
         check_placements(placements, attention)
         self.placements, self.attention, self.engine = placements, attention, engine
         self.stored: dict[int, StoredInput] = {}
-        # The embedding's last lookup and its output's address (`record_lookup`), for an "embedding" layer 0.
-        self.lookup: tuple[EmbeddingLookup, int] | None = None
+        # The embedding's last lookup, its output (weakly) and that output's version (`record_lookup`), for an
+        # "embedding" layer 0.
+        self.lookup: tuple[EmbeddingLookup, weakref.ref, int] | None = None
 
     def record_lookup(self, embedding: torch.nn.Embedding, args: tuple, output: torch.Tensor) -> None:
         """Forward hook of the model's token embedding: what layer 0's "embedding" placement looks up again."""
-        self.lookup = EmbeddingLookup(embedding, args[0]), output.data_ptr()
+        self.lookup = EmbeddingLookup(embedding, args[0]), weakref.ref(output), output._version
 
     def keep(self, index: int, hidden: torch.Tensor) -> object:
         """Keep layer `index`'s input (replacing what an earlier forward kept for it); returns the token its
@@ -176,10 +187,10 @@ class LayerInputStore:
         return record.token
 
     def _looked_up(self, hidden: torch.Tensor) -> EmbeddingLookup:
-        """The lookup whose output `hidden` is (layer 0's input), taken: refused for any other tensor, which
-        the lookup would not give back."""
+        """The lookup whose output `hidden` is (layer 0's input), taken: refused for any other tensor, or that
+        output changed in place since, which the lookup would not give back."""
         lookup, self.lookup = self.lookup, None
-        if lookup is None or lookup[1] != hidden.data_ptr():
+        if lookup is None or lookup[1]() is not hidden or hidden._version != lookup[2]:
             raise RuntimeError("layer 0's input is placed 'embedding' (looked up again from the token ids in the "
                                "backward), but it is not the output of the model's token embedding in this forward: "
                                "place it 'gpu' or 'host'")

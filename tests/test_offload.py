@@ -106,12 +106,14 @@ def test_dropout_replays_the_same_masks(placements):
     assert_same(tiled_reference, loss_and_grads(model, input_ids, labels))
 
 
-@pytest.mark.parametrize("placements", [["host", "host", "recompute", "gpu"], ["full", "host", "recompute", "full"],
-                                        ["embedding", "recompute", "host", "full"]],
-                         ids=["checkpointed", "with-full-layers", "embedding-trained"])
-def test_full_training_gradients_match(placements):
+@pytest.mark.parametrize("placements, tied", [(["host", "host", "recompute", "gpu"], False),
+                                               (["full", "host", "recompute", "full"], False),
+                                               (["embedding", "recompute", "host", "full"], False),
+                                               (["embedding", "host", "recompute", "full"], True)],
+                         ids=["checkpointed", "with-full-layers", "embedding-trained", "embedding-tied-to-the-head"])
+def test_full_training_gradients_match(placements, tied):
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**TINY))
+    model = Llama.from_config(LlamaConfig(**{**TINY, "tie_word_embeddings": tied}))
     input_ids, labels = batch()
 
     def grads():
@@ -251,19 +253,37 @@ def test_invalid_placements_are_refused(placements):
 
 def test_an_embedding_placed_input_must_be_the_embeddings_output():
     """Layer 0 placed "embedding" keeps only the token ids its backward looks up again: a tensor that is not
-    the embedding's output of this forward would be rebuilt wrongly, so it is refused."""
+    the embedding's output of this forward, or that output changed in place, would be rebuilt wrongly, so
+    it is refused."""
     model = lora_model()
     input_ids, labels = batch()
     policy = apply_memory_policy(model, ["embedding", "host", "host", "host"], 1, torch.device("cpu"))
     decoder = model.get_base_model().model
-    hidden = decoder.embed_tokens(input_ids)
     layer_0 = decoder.layers[0]
-    rope = decoder.rope(torch.arange(input_ids.shape[1]).expand_as(input_ids), hidden.dtype)
-    policy.run_layer(layer_0, hidden, rope, None)              # the lookup just recorded: kept
-    with pytest.raises(RuntimeError, match="not the output of the model's token embedding"):
-        policy.run_layer(layer_0, hidden + 0, rope, None)
+    rope = decoder.rope(torch.arange(input_ids.shape[1]).expand_as(input_ids), torch.float32)
+    policy.run_layer(layer_0, decoder.embed_tokens(input_ids), rope, None)       # the lookup just recorded: kept
+    for changed in (lambda looked_up: looked_up + 0, lambda looked_up: looked_up.mul_(2)):
+        hidden = changed(decoder.embed_tokens(input_ids))
+        with pytest.raises(RuntimeError, match="not the output of the model's token embedding"):
+            policy.run_layer(layer_0, hidden, rope, None)
     policy.remove()
     assert not decoder.embed_tokens._forward_hooks, "remove() takes the lookup hook off the embedding"
+
+
+def test_an_embedding_with_a_lora_adapter_is_kept_not_looked_up_again():
+    """A LoRA adapter on the embedding adds its product to the lookup: the planner keeps layer 0's input
+    there, and the policy refuses to look it up again."""
+    from conf.schema import MemoryConfig
+    from offload.plan import plan_memory
+    adapted = SimpleNamespace(**{**vars(LORA), "lora_target_modules": ["q_proj", "embed_tokens"]})
+    torch.manual_seed(0)
+    model = apply_lora(Llama.from_config(LlamaConfig(**TINY)), adapted)
+    with pytest.raises(ValueError, match="needs a plain nn.Embedding"):
+        apply_memory_policy(model, ["embedding", "host", "host", "host"], 1, torch.device("cpu"))
+    for train in (adapted, LORA):
+        planned = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(train)),
+                              MemoryConfig(gpu_memory_gib=80, full_layers=0), 64, 1, torch.device("cuda"))
+        assert (planned.placements[0] == "embedding") == (train is LORA), planned.placements
 
 
 @pytest.mark.parametrize("placements, attention", [(["host", "host"], ["host"]), (["host", "host"], ["host", "disk"]),

@@ -268,6 +268,14 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
         without.shape, without.placements, without.attention)
 
 
+def test_an_explicit_gpu_layer_count_holds_past_the_hosts_room():
+    """memory.gpu_layers=3 keeps layers 1 and 2's inputs on the GPU (layer 0's is looked up again) even where
+    moving them to the host would keep more attention outputs."""
+    chosen = plan(524288, MemoryConfig(gpu_layers=3), capacity=H100_MACHINE)
+    assert chosen.fits and chosen.placements[:3] == ["embedding", "gpu", "gpu"] and chosen.count("gpu") == 2
+    assert plan(524288, capacity=H100_MACHINE).count("gpu") == 0           # what the planner chooses alone
+
+
 def test_short_rows_recompute_no_input_for_an_attention_output():
     """Below about 50k tokens an attention forward costs less than the rest of a layer that a rebuild runs:
     a small host makes inputs recomputed, never more of them to keep attention outputs."""

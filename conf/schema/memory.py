@@ -23,8 +23,9 @@ class MemoryConfig:
     # Copy the kept layer inputs to pinned host memory on a side CUDA stream. False keeps them on the GPU.
     offload: bool = True
     # Layers (the first k) whose inputs stay on the GPU. None: as many as the planner finds room for. Layer 0's
-    # input, the token embedding's output, is looked up again in its backward instead (one process), and a
-    # top layer that is full at no cost (full_layers) is not among the checkpointed ones these counts place.
+    # input, the token embedding's output, is looked up again in its backward instead (without FSDP2 or a LoRA
+    # adapter on the embedding), so of the first k, k - 1 are kept; and a top layer that is full at no cost
+    # (full_layers) is not among the checkpointed ones these counts place.
     gpu_layers: Optional[int] = None
     # Layers whose inputs are not kept at all but recomputed in the backward from the previous layer's
     # input (one extra layer forward each). Needed when host memory cannot hold every input (524k tokens
