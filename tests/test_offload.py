@@ -1,8 +1,12 @@
 """The memory policy changes where activations live, never the math: loss and gradients with per-layer
 checkpointing, offloaded/recomputed layer inputs and tiled MLPs equal those of plain autograd."""
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
-from types import SimpleNamespace
 
 import kernels
 from conf.schema.job import triton_interpreting
@@ -474,27 +478,54 @@ def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_
         assert round(stats["offload/d2h_gib"] * 2 ** 30) == 2 * 3 * input_ids.numel() * 256 * 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak")
-def test_a_full_top_layer_raises_the_backward_peak_by_at_most_one_activation_on_cuda():
-    """offload.byte_model.top_layer_full_costs_nothing: a full top layer's backward holds what a checkpointed
-    top layer's recomputation rebuilds, with the same gradients (its MLP output, which the recomputation skips,
-    is the one activation of difference allowed), so the step's peak stays where the planner puts a
-    checkpointed layer's backward. The vocabulary is tiny, so the loss is no peak here."""
-    kernels.set_backend("auto", "flash")
-    model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
-    input_ids, labels = batch(seqlen=8192, device="cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    peaks = {}
-    for top in ("host", "full"):
-        policy = apply_memory_policy(model, ["embedding", "host", "host", top], 4, torch.device("cuda"))
-        loss_and_grads(model, input_ids, labels, autocast=autocast)       # pins the host buffers
+def peak_bytes_above_start(step, device: torch.device) -> int:
+    """The most bytes allocated at once while `step()` runs, above what was allocated when it began: the CUDA
+    allocator's peak, or on the CPU the running total of the profiler's memory events."""
+    if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        loss_and_grads(model, input_ids, labels, autocast=autocast)
-        peaks[top] = torch.cuda.max_memory_allocated() - start
+        step()
+        return torch.cuda.max_memory_allocated() - start
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    with tempfile.TemporaryDirectory() as folder:
+        profiler.export_chrome_trace(f"{folder}/trace.json")
+        events = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+    # each allocation or free, in order, with the running total after it
+    totals = [(e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]"]
+    return max(total for total, _ in totals) - (totals[0][0] - totals[0][1])
+
+
+@pytest.mark.parametrize("device, seqlen, hidden", [("cpu", 32, 128), ("cuda", 8192, 256)])
+def test_a_full_top_layer_raises_the_peak_by_at_most_one_activation(device, seqlen, hidden):
+    """offload.byte_model.top_layer_full_costs_nothing: a full top layer's backward holds what a checkpointed
+    top layer's recomputation rebuilds, with the same gradients (its MLP output, which the recomputation skips,
+    is the one activation of difference allowed), so the step's peak stays where the planner puts a
+    checkpointed layer's backward. The vocabulary is tiny, so the loss is no peak here. On the CPU the
+    Triton kernels run interpreted and the profiler's memory events give the peak."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the allocator's peak")
+    if device == "cpu" and not triton_interpreting():
+        pytest.skip("runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+    kernels.set_backend("triton" if device == "cpu" else "auto", "flash")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shape = {**TINY, "hidden_size": hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": 1}
+    model = lora_model(device=device, dtype=dtype, shape=shape)
+    input_ids, labels = batch(seqlen=seqlen, device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else None
+    peaks = {}
+    for top in ("host", "full"):
+        policy = apply_memory_policy(model, ["embedding", "host", "host", top], 2, torch.device(device))
+        if device == "cuda":        # a first step tunes the kernels (and pins the host buffers)
+            loss_and_grads(model, input_ids, labels, autocast=autocast)
+        else:                       # the interpreter tunes nothing; the host buffers are the step's own memory
+            policy.pin_buffers(Shape(LlamaConfig(**shape), input_ids.numel(), 4))
+        peaks[top] = peak_bytes_above_start(lambda: loss_and_grads(model, input_ids, labels, autocast=autocast),
+                                            torch.device(device))
         policy.remove()
-    activation = input_ids.numel() * 256 * 2
+    activation = input_ids.numel() * hidden * (4 if device == "cpu" else 2)
     assert peaks["host"] > 4 * activation            # a layer's backward, well above its kept input
     assert peaks["full"] <= peaks["host"] + activation, peaks
 
