@@ -264,8 +264,8 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
     saves one layer recompute of equal cost, so the order only decides the bytes. With `top_costs_nothing`
     (byte_model.top_layer_full_costs_nothing: `kept` then places the layers below the top) the top layer comes
     first, a full layer the plan counts no bytes for; then layers whose input is on the GPU (paid for
-    already), then host-kept ones and layer 0's looked up from the embedding, from layer 0 up; never one below a recomputed input, which is rebuilt from
-    the input the layer below keeps."""
+    already), then host-kept ones and layer 0's looked up from the embedding, from layer 0 up; never one
+    below a recomputed input, which is rebuilt from the input the layer below keeps."""
     placements, attention = list(kept.placements), list(kept.attention)
     candidates = [i for i, p in enumerate(placements) if p == "gpu"] + [
         i for i, p in enumerate(placements)
