@@ -151,14 +151,13 @@ def transient_bytes(shape: Shape, train_cfg, mlp_tiles: int, checkpointing: bool
                     sequence_parallel: int = 1, one_process: bool = True) -> dict[str, int]:
     """The step's largest transient: a decoder layer's backward or the loss, whichever is larger; without
     checkpointing (plain autograd) every layer is a full one and keeps its activations under it, but for the
-    top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`; one CUDA process)."""
+    top layer's where they cost nothing beside the loss (`top_layer_full_costs_nothing`)."""
     transient = _backward_or_loss(shape, -(-shape.tokens // mlp_tiles), attention_kernel)
     if checkpointing:
         return transient
     full_layer = full_layer_bytes(shape, train_cfg, mlp_tiles > 1, device_type, sequence_parallel)
-    top_free = (device_type == "cuda" and one_process        # as for the planner's full layers (offload.plan)
-                and top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel))
-    held = shape.arch.num_hidden_layers - top_free
+    held = shape.arch.num_hidden_layers - top_layer_full_costs_nothing(shape, full_layer, mlp_tiles, attention_kernel,
+                                                                       device_type, one_process)
     return {"all layers' activations": held * full_layer, **transient}
 
 
@@ -189,14 +188,18 @@ def loss_bytes(shape: Shape) -> int:
     return int(LOSS_ACTIVATIONS * shape.activation) + LCE_WORKSPACE + shape.tokens * 8
 
 
-def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, attention_kernel: str) -> bool:
+def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, attention_kernel: str,
+                                 device_type: str = "cuda", one_process: bool = True) -> bool:
     """Whether the top decoder layer can keep every activation (a "full" layer, `full_layer` bytes) without
-    raising the step's peak. Its forward is the last and its backward the first, so what it keeps lives only
+    raising the step's peak: on one CUDA process (the bytes of full layers are counted for the GPU's attention;
+    sequence parallelism's and FSDP2's own buffers around the top layer were not measured). Its forward is the last and its backward the first, so what it keeps lives only
     through the loss and its own backward: beside the loss it must fit in what a checkpointed layer's backward
     needs more than the loss, and its backward holds what a checkpointed one's recomputation would have rebuilt
     (the same activations) with the same gradients. Every other layer's kept bytes are held through every
     layer's backward (offload.placement); these are not, which is why at 524k tokens the top layer can skip its
     recomputation (an attention forward and the rebuild of its input) where no other layer has room to."""
+    if device_type != "cuda" or not one_process:
+        return False
     backward = sum(_layer_backward(shape, -(-shape.tokens // mlp_tiles), attention_kernel).values())
     return full_layer + loss_bytes(shape) <= backward
 

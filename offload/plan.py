@@ -180,9 +180,8 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     if memory_cfg.checkpoint:
         full_layer = full_layer_bytes(shape, train_cfg, tiles > 1, capacity.device_type, sequence_parallel)
         wanted_full = _wanted_full_layers(memory_cfg, device)
-        # One process only: sequence parallelism's and FSDP2's own buffers around the top layer are not measured.
-        top_full = (wanted_full != 0 and ranks.world == 1
-                    and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel))
+        top_full = wanted_full != 0 and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel,
+                                                                     capacity.device_type, ranks.world == 1)
         room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient,
                        int(top_full))
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())

@@ -75,6 +75,9 @@ def test_the_top_layer_is_full_where_a_layer_backward_outweighs_the_loss_by_its_
         assert chosen.placements[-1] == "full" and full_layer_bytes(shape, LORA, tiles > 1) <= room
         assert top_layer_full_costs_nothing(shape, room, tiles, kernel)
         assert not top_layer_full_costs_nothing(shape, room + 1, tiles, kernel)
+        # counted for the GPU's attention, in one process
+        assert not top_layer_full_costs_nothing(shape, room, tiles, kernel, device_type="cpu")
+        assert not top_layer_full_costs_nothing(shape, room, tiles, kernel, one_process=False)
     short = plan(8192, MemoryConfig(full_layers=0))     # at 8k the loss is the larger transient
     assert not top_layer_full_costs_nothing(short.shape, 0, short.mlp_tiles, short.attention_kernel)
     assert "full" not in short.placements and "full" not in plan(524288, MemoryConfig(full_layers=0)).placements
