@@ -7,10 +7,9 @@ next layer computes, or not kept at all and recomputed from the previous layer's
 "recompute" placements; offload.store holds them); layer 0's, the token embedding's output, is looked up
 again from the token ids ("embedding", recorded by a forward hook on the embedding). A "full" layer is not
 checkpointed: plain autograd keeps its activations and its backward recomputes nothing but its tiled MLP's
-tiles. The backward of a
-checkpointed layer i waits for its input, starts the host-to-GPU copy of the one needed next, recomputes
-layer i with grad and back-propagates through it; LoRA parameters accumulate their gradients there, as in
-reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_buffers`).
+tiles. The backward of a checkpointed layer i waits for its input, starts the host-to-GPU copy of the one
+needed next, recomputes layer i with grad and back-propagates through it; LoRA parameters accumulate their
+gradients there, as in reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_buffers`).
 
 Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
 log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses

@@ -1,9 +1,9 @@
 """Where each decoder layer's input (and its kept attention outputs) lives between its forward and its
 backward: on the GPU, in pinned host memory (copied on the copy engine's side stream), or nowhere
 ("recompute": rebuilt from the layer below's input; "embedding", layer 0's: the token embedding's lookup,
-done again from the token ids), plus the autocast and RNG state that lets a
-recomputation compute what the forward did. `offload.policy` drives it. A "full" layer is not
-checkpointed at all: plain autograd keeps its activations, so the store holds nothing for it.
+done again from the token ids), plus the autocast and RNG state that lets a recomputation compute what the
+forward did. `offload.policy` drives it. A "full" layer is not checkpointed at all: plain autograd keeps
+its activations, so the store holds nothing for it.
 """
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def check_placements(placements: list[str], attention: list[str]) -> None:
         raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
                          f"({len(placements)}), got {attention}")
     if any(p == "recompute" and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
-        raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu or host): not layer 0, "
-                         f"never above a 'recompute' or 'full' layer; got {placements}")
+        raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu, host or embedding): not "
+                         f"layer 0, never above a 'recompute' or 'full' layer; got {placements}")
     if "embedding" in placements[1:]:
         raise ValueError(f"only layer 0's input is the token embedding's output ('embedding'); got {placements}")
     if any(p == "full" and a != "none" for p, a in zip(placements, attention)):
