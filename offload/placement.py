@@ -49,8 +49,10 @@ def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
     return ["none"] * (layers - len(kept)) + kept[::-1]
 
 
-# The GPU item of the gradients made by the backward up to its fullest moment (GpuRoom).
+# The GPU items of the gradients made by the backward up to its fullest moment (GpuRoom), the second only
+# where that moment is the backward's end.
 FULLEST_MOMENT = "layer gradients made so far"
+MADE_LAST = "input embedding gradient"
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,13 @@ class GpuRoom:
     what layers 0..k keep and the gradients of layers k and above, and after the last one every gradient.
     The room must hold the fullest of those moments (at the top for inputs cheaper than a gradient, at
     the bottom for costlier ones). `layers_above`: layers above the ones placed (the top layer, full at no
-    cost) whose backward comes first and makes their gradients before any of these."""
+    cost) whose backward comes first and makes their gradients before any of these. `made_last`: gradient
+    bytes made after the last layer's backward (the input embedding's, untied from the head), held only
+    at the end, when the transient the room excludes is free again."""
     bytes: int
     layer_gradient: int = 0
     layers_above: int = 0
+    made_last: int = 0
 
     def fullest(self, by_layer: list[int]) -> tuple[int, int | None]:
         """(bytes at the fullest moment, the layer whose backward it is in: None at the end of the forward
@@ -76,7 +81,7 @@ class GpuRoom:
         if not self.layer_gradient:
             return held, None
         layers = len(by_layer) + self.layers_above
-        most, layer = layers * self.layer_gradient, -1
+        most, layer = layers * self.layer_gradient + self.made_last, -1
         for k in range(len(by_layer) - 1, -1, -1):
             if held + (layers - k) * self.layer_gradient > most:
                 most, layer = held + (layers - k) * self.layer_gradient, k
@@ -254,6 +259,8 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
     if layer is not None:
         gpu[FULLEST_MOMENT] = (len(placements) + room.layers_above - max(layer, 0)) * room.layer_gradient
+    if layer == -1 and room.made_last:
+        gpu[MADE_LAST] = room.made_last
     return gpu, host
 
 

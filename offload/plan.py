@@ -155,12 +155,14 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     trainable_gpu, trainable_host = (layout_memory(full_state, own) if full_state else
                                      ({"trainable params+grads+adam": own * TRAINABLE_BYTES}, {}))
     trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
-    layer_gradient = 0
+    layer_gradient = embedding_gradient = 0
     if full_state == "bf16" and not sharded and micro_batches == 1:
-        # The decoder layers' gradients are made in the backward as their kept activations are freed
-        # (placement.GpuRoom); the embeddings', head's and final norm's stay counted whole.
+        # The decoder layers' gradients are made in the backward as their kept activations are freed, and an
+        # untied input embedding's after all of them (placement.GpuRoom); the head's and the final norm's,
+        # made by the loss, stay counted whole.
         layer_gradient = 2 * layer_parameters(arch)
-        trainable_gpu["bf16 gradients"] -= arch.num_hidden_layers * layer_gradient
+        embedding_gradient = 0 if arch.tie_word_embeddings else 2 * arch.vocab_size * arch.hidden_size
+        trainable_gpu["bf16 gradients"] -= arch.num_hidden_layers * layer_gradient + embedding_gradient
         trainable_gpu["bf16 non-layer gradients"] = trainable_gpu.pop("bf16 gradients")
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
@@ -183,7 +185,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         top_full = wanted_full != 0 and top_layer_full_costs_nothing(shape, full_layer, tiles, attention_kernel,
                                                                      capacity.device_type, ranks.world == 1)
         room = GpuRoom(capacity.gpu_limit - sum(static.values()) - sum(transient.values()), layer_gradient,
-                       int(top_full))
+                       int(top_full), embedding_gradient)
         host_room = min(capacity.pinnable, capacity.host - HOST_BASELINE) - sum(trainable_host.values())
         kept = keep_layers(shape, memory_cfg, device, room, host_room, arch.num_hidden_layers - top_full,
                            from_embedding=_embedding_looked_up_again(train_cfg, sharded))

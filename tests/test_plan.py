@@ -14,7 +14,7 @@ from model import LlamaConfig
 from offload.byte_model import (Capacity, full_layer_bytes, loss_bytes, parameter_counts, pinned_size,
                                 top_layer_full_costs_nothing, transient_bytes)
 from offload.engine import CopyEngine
-from offload.placement import FULLEST_MOMENT, GpuRoom, backward_attention_forwards, recompute_flops
+from offload.placement import FULLEST_MOMENT, MADE_LAST, GpuRoom, backward_attention_forwards, recompute_flops
 from offload.plan import Ranks, layer_parameters, plan_memory
 from offload.store import LayerInputStore, rebuilds_attention
 from offload.units import GIB
@@ -62,6 +62,9 @@ def test_the_gpu_room_holds_the_fullest_moment_of_a_backward_that_makes_gradient
     above = GpuRoom(bytes=100, layer_gradient=2, layers_above=1)
     assert above.fullest([5, 1, 1, 1]) == (15, 0) and above.fullest([1, 1, 1, 9]) == (16, 3)
     assert above.fullest([0, 0, 0, 0]) == (10, -1)
+    # The input embedding's 3 bytes, made after layer 0's backward, count only at the end.
+    embedding = GpuRoom(bytes=100, layer_gradient=2, made_last=3)
+    assert embedding.fullest([5, 1, 1, 1]) == (13, 0) and embedding.fullest([0, 0, 0, 0]) == (11, -1)
 
 
 def test_the_top_layer_is_full_where_a_layer_backward_outweighs_the_loss_by_its_activations():
@@ -102,27 +105,33 @@ def test_the_top_layer_is_full_at_no_cost_only_in_one_process():
 
 def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     """bf16 state layout, one micro-batch: a layer's gradients exist only from its backward on, when the
-    activations kept for the layers above are freed, so at 32k the H100 keeps every input and most attention
-    outputs on the GPU (layer 0's input looked up again from the embedding), three full layers and the top
-    one, full at no cost (counting all gradients beside all kept activations left room for 23 inputs and no
-    kept attention on the GPU). The plan's GPU items are those of its fullest moment."""
+    activations kept for the layers above are freed, and the input embedding's only after the last layer's,
+    so at 32k the H100 keeps every input and most attention outputs on the GPU (layer 0's input looked up
+    again from the embedding), four full layers and the top one, full at no cost (counting all gradients
+    beside all kept activations left room for 23 inputs and no kept attention on the GPU). The plan's GPU
+    items are those of its fullest moment."""
     full = SimpleNamespace(mode="full", full_state="auto")
     chosen = plan(32768, train=full)
     assert chosen.fits and chosen.full_state == "bf16"
-    assert chosen.placements == ["embedding"] + ["full"] * 3 + ["gpu"] * 27 + ["full"]
-    assert chosen.attention == ["gpu"] + ["none"] * 3 + ["gpu"] * 27 + ["none"]
+    assert chosen.placements == ["embedding"] + ["full"] * 4 + ["gpu"] * 26 + ["full"]
+    assert chosen.attention == ["gpu"] + ["none"] * 4 + ["gpu"] * 26 + ["none"]
     # The fullest moment, recounted here from the layout: the backward of layer k holds what layers 0..k keep
-    # and the gradients of layers k..31 (the top layer's activations are its own backward's, counted there).
+    # and the gradients of layers k..31 (the top layer's activations are its own backward's, counted there);
+    # after layer 0's, every layer's gradients and the input embedding's.
     a, b = chosen.shape.activation, chosen.shape.attention_bytes
-    kept = [b] + [full_layer_bytes(chosen.shape, full, mlp_tiled=True)] * 3 + [a + b] * 27 + [0]
-    gradient = 2 * layer_parameters(LLAMA3_8B)
-    moments = [sum(kept[:k + 1]) + (32 - k) * gradient for k in range(32)] + [32 * gradient]
+    kept = [b] + [full_layer_bytes(chosen.shape, full, mlp_tiled=True)] * 4 + [a + b] * 26 + [0]
+    gradient, embedding_gradient = 2 * layer_parameters(LLAMA3_8B), 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.hidden_size
+    moments = [sum(kept[:k + 1]) + (32 - k) * gradient for k in range(32)] + [32 * gradient + embedding_gradient]
     others = {name: size for name, size in chosen.gpu.items() if name not in (
         "layer inputs on GPU", "attention outputs on GPU", "full layers' activations", FULLEST_MOMENT)}
     assert chosen.gpu_peak == sum(others.values()) + max(moments)
     assert others["bf16 non-layer gradients"] == 2 * (parameter_counts(LLAMA3_8B, full)[0] - 32 * layer_parameters(
-        LLAMA3_8B))
+        LLAMA3_8B)) - embedding_gradient
     assert "its fullest moment" in chosen.describe()
+    # A short row keeps little: its fullest moment is the end, every gradient made, the embedding's last.
+    short = plan(2048, train=full)
+    assert short.gpu[FULLEST_MOMENT] == 32 * gradient and short.gpu[MADE_LAST] == embedding_gradient
+    assert short.gpu_peak == sum(short.gpu.values())
 
     # Several micro-batches keep the first one's gradients through the next: all of them count at once.
     accumulated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST, micro_batches=2)
