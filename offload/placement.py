@@ -49,10 +49,12 @@ def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
     return ["none"] * (layers - len(kept)) + kept[::-1]
 
 
-# The GPU items of the gradients made by the backward up to its fullest moment (GpuRoom), the second only
-# where that moment is the backward's end.
+# The GPU items of a plan's fullest moment in the backward (GpuRoom): the layers' gradients made so far, the
+# input embedding's (only where that moment is the backward's end), and the slot the layer back-propagating
+# then copies the attention output of the layer below back into.
 FULLEST_MOMENT = "layer gradients made so far"
 MADE_LAST = "input embedding gradient"
+PREFETCH_SLOT = "attention output prefetch"
 
 
 @dataclass(frozen=True)
@@ -68,23 +70,26 @@ class GpuRoom:
     the bottom for costlier ones). `layers_above`: layers above the ones placed (the top layer, full at no
     cost) whose backward comes first and makes their gradients before any of these. `made_last`: gradient
     bytes made after the last layer's backward (the input embedding's, untied from the head), held only
-    at the end, when the transient the room excludes is free again."""
+    at the end (where the room still leaves out a layer backward's transient, more than the embedding's
+    backward needs)."""
     bytes: int
     layer_gradient: int = 0
     layers_above: int = 0
     made_last: int = 0
 
-    def fullest(self, by_layer: list[int]) -> tuple[int, int | None]:
-        """(bytes at the fullest moment, the layer whose backward it is in: None at the end of the forward
-        when nothing is made in the backward, -1 after the backward when the gradients alone are most)."""
-        held = sum(by_layer)
-        if not self.layer_gradient:
-            return held, None
+    def fullest(self, by_layer: list[int], during: list[int] | None = None) -> tuple[int, int | None]:
+        """(bytes at the fullest moment, the layer whose backward it is in: None at the end of the forward,
+        -1 after the backward when the gradients alone are most). `during[k]`: bytes held only while layer k
+        back-propagates (the slot it copies the kept attention output of the layer below back into), which
+        count where the layers above have freed less than that."""
+        during = during or [0] * len(by_layer)
         layers = len(by_layer) + self.layers_above
-        most, layer = layers * self.layer_gradient + self.made_last, -1
+        held = sum(by_layer)
+        most, layer = (layers * self.layer_gradient + self.made_last, -1) if self.layer_gradient else (held, None)
         for k in range(len(by_layer) - 1, -1, -1):
-            if held + (layers - k) * self.layer_gradient > most:
-                most, layer = held + (layers - k) * self.layer_gradient, k
+            moment = held + during[k] + (layers - k) * self.layer_gradient
+            if moment > most:
+                most, layer = moment, k
             held -= by_layer[k]
         return most, layer
 
@@ -217,8 +222,8 @@ def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: G
     placements = inputs(on_gpu, min(recomputed, max_recomputed(layers, on_gpu)))
     inputs_host = _layer_bytes(shape, placements, no_attention, 0, room)[1]
 
-    def attention_fits(on_gpu: int, slot: int) -> bool:
-        return gpu_bytes(placements, _attention_placements(layers, on_gpu, 0)) + slot <= room.bytes
+    def attention_fits(outputs_on_gpu: int, outputs_on_host: int) -> bool:
+        return gpu_bytes(placements, _attention_placements(layers, outputs_on_gpu, outputs_on_host)) <= room.bytes
 
     attention_gpu, attention_host = _kept_attention(shape, memory_cfg, attention_fits,
                                                     host_room - sum(inputs_host.values()), offload, layers)
@@ -244,20 +249,24 @@ def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full
     a, b = shape.activation, shape.attention_bytes
     by_layer = [(a if kept == "gpu" else full_bytes if kept == "full" else 0) + (b if output == "gpu" else 0)
                 for kept, output in zip(placements, attention)]
-    _, layer = room.fullest(by_layer)
+    # A checkpointed layer's backward starts copying back the host-kept attention output of the layer below
+    # (offload.policy; a full layer's backward is autograd's own and copies nothing).
+    slots = [b if k > 0 and placements[k] != "full" and copied_back_ahead(placements, attention, k - 1) else 0
+             for k in range(len(placements))]
+    _, layer = room.fullest(by_layer, slots)
     held = len(placements) if layer is None else layer + 1       # the layers whose kept bytes are held then
     gpu = {"layer inputs on GPU": placements[:held].count("gpu") * a,
            "attention outputs on GPU": attention[:held].count("gpu") * b}
     host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if "host" in placements else {}
-    if any(copied_back_ahead(placements, attention, index) for index in range(len(placements))):
-        gpu["attention output prefetch"] = b
+    if layer is not None and layer >= 0 and slots[layer]:
+        gpu[PREFETCH_SLOT] = slots[layer]
     if any(rebuilding_keeps(shape, placements, attention, index) for index in range(len(placements))):
         gpu["rebuilt attention lse"] = shape.attention_output[1]     # one at a time, through the layer above's backward
     if "host" in attention:
         host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
     if "full" in placements:
         gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
-    if layer is not None:
+    if layer is not None and room.layer_gradient:
         gpu[FULLEST_MOMENT] = (len(placements) + room.layers_above - max(layer, 0)) * room.layer_gradient
     if layer == -1 and room.made_last:
         gpu[MADE_LAST] = room.made_last
@@ -299,18 +308,22 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
 def _kept_attention(shape: Shape, memory_cfg, gpu_fits, host_room: int, offload: bool,
                     layers: int) -> tuple[int, int]:
     """(on GPU, on host) counts of the checkpointed `layers` whose attention output is kept: all wanted layers
-    that fit the GPU (`gpu_fits(count on the GPU, bytes of a prefetch slot)`), the rest in the host room (one
-    GPU slot then goes to prefetching them)."""
+    that fit the GPU (`gpu_fits(count on the GPU, count on the host)`, the host-kept ones' copy back counted
+    in the backward that starts it), the rest in the host room."""
     wanted = layers if memory_cfg.kept_attention_layers is None else min(layers, memory_cfg.kept_attention_layers)
-    per_layer = shape.attention_bytes
     fit_on_gpu = _most(lambda count: gpu_fits(count, 0), wanted)
     if fit_on_gpu == wanted:
         return fit_on_gpu, 0
     if not offload:      # nowhere else to keep them: an explicit count stays whole, so the plan fails with advice
         return (fit_on_gpu if memory_cfg.kept_attention_layers is None else wanted), 0
-    if not gpu_fits(0, per_layer) and memory_cfg.kept_attention_layers is None:
-        return fit_on_gpu, 0               # no GPU slot to prefetch host-kept outputs into
-    on_gpu = _most(lambda count: gpu_fits(count, per_layer), wanted)     # one slot left for the prefetch
-    on_host = wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
-        min(wanted - on_gpu, max(0, host_room) // shape.attention_pinned_bytes)
-    return (on_gpu, on_host) if on_host else (fit_on_gpu, 0)
+
+    def on_host(on_gpu: int) -> int:
+        return wanted - on_gpu if memory_cfg.kept_attention_layers is not None else \
+            min(wanted - on_gpu, max(0, host_room) // shape.attention_pinned_bytes)
+
+    if not gpu_fits(0, on_host(0)) and memory_cfg.kept_attention_layers is None:
+        return fit_on_gpu, 0               # no GPU room to copy host-kept outputs back into
+    # The most that fit, counted up from none: one more on the GPU adds its bytes to the moments that hold
+    # it, and moves the host's first copy back, whose slot the layers above then free more room for.
+    on_gpu = _most(lambda count: gpu_fits(count, on_host(count)), wanted)
+    return (on_gpu, on_host(on_gpu)) if on_host(on_gpu) else (fit_on_gpu, 0)

@@ -19,7 +19,7 @@ from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
                                 full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
                                 sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
-from offload.placement import FULLEST_MOMENT, GpuRoom, keep_layers, with_full_layers
+from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.units import GIB
 
@@ -100,9 +100,13 @@ class MemoryPlan:
             if title == self.device_label and self.top_layer_free:
                 lines.append("    (the top layer's activations, full, fit in the transient: they live beside the loss "
                              "and in its own backward, the first)")
-            if title == self.device_label and FULLEST_MOMENT in items:
-                lines.append("    (its fullest moment, in the backward: the gradients made so far and what the "
-                             "layers below keep)")
+            if title == self.device_label and MADE_LAST in items:
+                lines.append("    (its fullest moment, the backward's end: every gradient made)")
+            elif title == self.device_label and (FULLEST_MOMENT in items or PREFETCH_SLOT in items):
+                lines.append("    (its fullest moment, in the backward: what the layers not yet back-propagated keep"
+                             + (", the gradients made so far" if FULLEST_MOMENT in items else "")
+                             + (", the slot the next kept attention output is copied back into"
+                                if PREFETCH_SLOT in items else "") + ")")
         lines.append(f"  pinned {self.pinned / GIB:.2f} GiB of {self.capacity.pinnable / GIB:.2f} GiB pinnable")
         return "\n".join(lines)
 
@@ -156,10 +160,10 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
                                      ({"trainable params+grads+adam": own * TRAINABLE_BYTES}, {}))
     trainable_host = {name: pinned_size(size) for name, size in trainable_host.items()}
     layer_gradient = embedding_gradient = 0
-    if full_state == "bf16" and not sharded and micro_batches == 1:
+    if full_state == "bf16" and not sharded and micro_batches == 1 and memory_cfg.checkpoint:
         # The decoder layers' gradients are made in the backward as their kept activations are freed, and an
-        # untied input embedding's after all of them (placement.GpuRoom); the head's and the final norm's,
-        # made by the loss, stay counted whole.
+        # untied input embedding's after all of them (placement.GpuRoom, the checkpointed layers' search);
+        # the head's and the final norm's, made by the loss, stay counted whole, as all are without it.
         layer_gradient = 2 * layer_parameters(arch)
         embedding_gradient = 0 if arch.tie_word_embeddings else 2 * arch.vocab_size * arch.hidden_size
         trainable_gpu["bf16 gradients"] -= arch.num_hidden_layers * layer_gradient + embedding_gradient

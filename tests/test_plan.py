@@ -14,7 +14,8 @@ from model import LlamaConfig
 from offload.byte_model import (Capacity, full_layer_bytes, loss_bytes, parameter_counts, pinned_size,
                                 top_layer_full_costs_nothing, transient_bytes)
 from offload.engine import CopyEngine
-from offload.placement import FULLEST_MOMENT, MADE_LAST, GpuRoom, backward_attention_forwards, recompute_flops
+from offload.placement import (FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, backward_attention_forwards,
+                               recompute_flops)
 from offload.plan import Ranks, layer_parameters, plan_memory
 from offload.store import LayerInputStore, rebuilds_attention
 from offload.units import GIB
@@ -62,6 +63,9 @@ def test_the_gpu_room_holds_the_fullest_moment_of_a_backward_that_makes_gradient
     above = GpuRoom(bytes=100, layer_gradient=2, layers_above=1)
     assert above.fullest([5, 1, 1, 1]) == (15, 0) and above.fullest([1, 1, 1, 9]) == (16, 3)
     assert above.fullest([0, 0, 0, 0]) == (10, -1)
+    # A slot held only while layer 2 back-propagates counts where the layers above have freed less than it.
+    assert GpuRoom(bytes=100).fullest([5, 1, 1, 1], [0, 0, 2, 0]) == (9, 2)
+    assert GpuRoom(bytes=100).fullest([5, 1, 1, 3], [0, 0, 2, 0]) == (10, None)
     # The input embedding's 3 bytes, made after layer 0's backward, count only at the end.
     embedding = GpuRoom(bytes=100, layer_gradient=2, made_last=3)
     assert embedding.fullest([5, 1, 1, 1]) == (13, 0) and embedding.fullest([0, 0, 0, 0]) == (11, -1)
@@ -131,7 +135,10 @@ def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     # A short row keeps little: its fullest moment is the end, every gradient made, the embedding's last.
     short = plan(2048, train=full)
     assert short.gpu[FULLEST_MOMENT] == 32 * gradient and short.gpu[MADE_LAST] == embedding_gradient
-    assert short.gpu_peak == sum(short.gpu.values())
+    assert "the backward's end" in short.describe()
+    # Without checkpointing (plain autograd) every gradient counts whole, the embedding's among them.
+    plain = plan(2048, MemoryConfig(checkpoint=False), train=full)
+    assert plain.gpu["bf16 gradients"] == 2 * parameter_counts(LLAMA3_8B, full)[0] and MADE_LAST not in plain.gpu
 
     # Several micro-batches keep the first one's gradients through the next: all of them count at once.
     accumulated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST, micro_batches=2)
@@ -246,8 +253,20 @@ def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
     assert long.attention == ["host"] * host_kept + ["gpu"] * gpu_kept + ["none"]    # the backward's first on the GPU
     output, lse = 131072 * 4096 * 2, 131072 * 32 * 4
     assert long.gpu["attention outputs on GPU"] == gpu_kept * (output + lse)
-    assert long.gpu["attention output prefetch"] == output + lse
     assert long.host["pinned attention outputs"] == host_kept * (output + lse)
+    # The first copy back starts in the backward of the lowest layer keeping its output on the GPU, when the
+    # layers above have freed more than it takes: the fullest moment is the forward's end, without it.
+    assert PREFETCH_SLOT not in long.gpu
+
+
+def test_a_copy_back_slot_counts_where_the_layers_above_have_freed_less():
+    """At 262k the kept attention outputs are all on the host: the top one's is copied back in its own
+    backward (the full top layer above it copies nothing ahead), the next one's during that backward, when
+    nothing has been freed yet, so the slot counts there."""
+    long = plan(262144, capacity=H100_MACHINE)
+    assert long.attention[-3:] == ["host", "host", "none"] and long.kept_attention("gpu") == 0
+    assert long.gpu[PREFETCH_SLOT] == long.shape.attention_bytes
+    assert "the slot the next kept attention output is copied back into" in long.describe()
 
 
 def test_a_gpu_slot_is_freed_for_prefetching_attention_outputs_when_inputs_fill_the_gpu():
@@ -267,7 +286,7 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
     more pinned memory than the pinnable share."""
     without = plan(524288, MemoryConfig(kept_attention_layers=0), capacity=H100_MACHINE)
     long = plan(524288, capacity=H100_MACHINE)
-    assert long.fits and "attention output prefetch" not in long.gpu
+    assert long.fits and PREFETCH_SLOT not in long.gpu
     assert long.count("recompute") > without.count("recompute") > 0
     kept = [i for i, output in enumerate(long.attention) if output != "none"]
     assert kept and all(long.placements[i] == "recompute" for i in kept)
@@ -369,7 +388,7 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 
 @pytest.mark.parametrize("overrides, usable", [
     (["memory.gpu=h200"], "GPU peak  126.41 GiB of 129.41 GiB usable"),      # 8 full layers, cuDNN attention
-    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   21.81 GiB of 250.00 GiB usable"),
+    (["memory.gpu=a100_80gb", "memory.host_memory_gib=250"], "host peak   20.80 GiB of 250.00 GiB usable"),
 ])
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):
     result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
