@@ -110,10 +110,10 @@ def test_the_top_layer_is_full_at_no_cost_only_in_one_process():
 def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     """bf16 state layout, one micro-batch: a layer's gradients exist only from its backward on, when the
     activations kept for the layers above are freed, and the input embedding's only after the last layer's,
-    so at 32k the H100 keeps every input and most attention outputs on the GPU (layer 0's input looked up
-    again from the embedding), four full layers and the top one, full at no cost (counting all gradients
-    beside all kept activations left room for 23 inputs and no kept attention on the GPU). The plan's GPU
-    items are those of its fullest moment."""
+    so at 32k the H100 (flash attention's plan) keeps every input and most attention outputs on the GPU
+    (layer 0's input looked up again from the embedding), four full layers and the top one, full at no cost
+    (counting all gradients beside all kept activations left room for 23 inputs and no kept attention on the
+    GPU). The plan's GPU items are those of its fullest moment."""
     full = SimpleNamespace(mode="full", full_state="auto")
     chosen = plan(32768, train=full)
     assert chosen.fits and chosen.full_state == "bf16"
