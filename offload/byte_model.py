@@ -192,10 +192,11 @@ def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, 
                                  device_type: str = "cuda", one_process: bool = True) -> bool:
     """Whether the top decoder layer can keep every activation (a "full" layer, `full_layer` bytes) without
     raising the step's peak: on one CUDA process (the bytes of full layers are counted for the GPU's attention;
-    sequence parallelism's and FSDP2's own buffers around the top layer were not measured). Its forward is the last and its backward the first, so what it keeps lives only
-    through the loss and its own backward: beside the loss it must fit in what a checkpointed layer's backward
-    needs more than the loss, and its backward holds what a checkpointed one's recomputation would have rebuilt
-    (the same activations) with the same gradients. Every other layer's kept bytes are held through every
+    sequence parallelism's and FSDP2's own buffers around the top layer were not measured). Its forward is the
+    last and its backward the first, so what it keeps lives only through the loss and its own backward:
+    beside the loss it must fit in what a checkpointed layer's backward needs more than the loss, and its
+    backward holds what a checkpointed one's recomputation would have rebuilt (the same activations) with the
+    same gradients. Every other layer's kept bytes are held through every
     layer's backward (offload.placement); these are not, which is why at 524k tokens the top layer can skip its
     recomputation (an attention forward and the rebuild of its input) where no other layer has room to."""
     if device_type != "cuda" or not one_process:

@@ -326,4 +326,5 @@ def _kept_attention(shape: Shape, memory_cfg, gpu_fits, host_room: int, offload:
     # The most that fit, counted up from none: one more on the GPU adds its bytes to the moments that hold
     # it, and moves the host's first copy back, whose slot the layers above then free more room for.
     on_gpu = _most(lambda count: gpu_fits(count, on_host(count)), wanted)
-    return (on_gpu, on_host(on_gpu)) if on_host(on_gpu) else (fit_on_gpu, 0)
+    host = on_host(on_gpu)
+    return (on_gpu, host) if host else (fit_on_gpu, 0)

@@ -253,7 +253,7 @@ class LayerInputStore:
         record = self.stored[index]
         if not record.attention:
             return None
-        record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
+        self._start_attention_copies(record)
         return AttentionTape([tuple(map(_when_replayed, pair)) for pair in record.attention])
 
     def prefetch_attention(self, index: int, ahead: bool = False) -> None:
@@ -263,7 +263,11 @@ class LayerInputStore:
         own layer's backward."""
         record = self.stored.get(index)
         if record is not None and (not ahead or copied_back_ahead(self.placements, self.attention, index)):
-            record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
+            self._start_attention_copies(record)
+
+    def _start_attention_copies(self, record: StoredInput) -> None:
+        """Start the copies back of `record`'s host-kept attention outputs (once: started ones stay as they are)."""
+        record.attention = [tuple(_started(p, self.engine) for p in pair) for pair in record.attention]
 
     def release(self, index: int) -> None:
         """Layer `index`'s backward is done: its input is no longer needed."""
