@@ -4,10 +4,12 @@ packed documents, batch rows apart, heads 256 apart), then both timed in turn ov
 packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of 128, causal, bf16).
 
     python3 docs/experiments/forward_ab.py [OTHER_VERSION.py]     # default: the file at git HEAD
+    AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py        # cells of a second: the power limit's pace
 
 Measured on 2026-11-25 (docs/BENCHMARKS.md): the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
 work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`)."""
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,6 +62,7 @@ check("B16 S4096 32/8", rnd(16, 4096, 32, 128), rnd(16, 4096, 8, 128), rnd(16, 4
 def flops(lengths, rows=1):
     return rows * sum(2.0 * n * n * 128 * 32 for n in lengths)
 
+CELL_MS = float(os.environ.get("AB_CELL_MS", 100))
 cases = {"8k": (1, [8192]), "32k": (1, [32768]), "packed-16x4k": (1, [4096] * 16), "batch-16x4k": (16, [4096]),
          "131k": (1, [131072])}
 for label, (rows, lengths) in cases.items():
@@ -67,7 +70,7 @@ for label, (rows, lengths) in cases.items():
     q, k, v = rnd(rows, total, 32, 128), rnd(rows, total, 8, 128), rnd(rows, total, 8, 128)
     bounds = docs(total, torch.tensor(lengths).cumsum(0)[:-1].tolist()) if len(lengths) > 1 else (None, None)
     check(label, q, k, v, bounds)
-    reps = max(1, int(100 / (flops(lengths, rows) / 5e11)))   # about 100 ms a timing
+    reps = max(1, int(CELL_MS / (flops(lengths, rows) / 5e11)))   # about CELL_MS a timing
     time_in_turn(label, {name: (lambda module=module: module.attention_forward(q, k, v, *bounds, True, 0.1))
                          for name, module in (("old", old), ("new", new))}, flops(lengths, rows), 7, reps)
     del q, k, v
