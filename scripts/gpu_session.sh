@@ -4,7 +4,10 @@
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
 #   bash scripts/gpu_session.sh recall_curve_bg poll; bash scripts/gpu_session.sh poll   # the recall curve
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
-#   bash scripts/gpu_session.sh full_32k train_32k train_131k full_64k   # the next session's first call (BENCHMARKS)
+#   bash scripts/gpu_session.sh full_32k train_32k full_64k train_64k train_131k   # issue 14's table, then
+#   bash scripts/gpu_session.sh full_131k peer_32k peer_131k                       # (over 10 minutes in one)
+#   SEQLENS="8192 32768 65536 131072" BENCH_ATTN_ARGS="--rounds 3 --clocks --rep-ms 1000" bash scripts/gpu_session.sh bench_attn
+#                                                                    # issue 13's attention table, one run
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
