@@ -94,23 +94,12 @@ def _softmax_step(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_h
 
 
 @gluon.jit
-def ring_barriers(NUM_STAGES: gl.constexpr, FREE_ARRIVALS: gl.constexpr):
-    """The barriers of a load warp feeding compute warps: a single one (the forward: each work item's Q; the
-    backward: K and V, loaded once), and two rings of
-    NUM_STAGES (ready, free) pairs, a ready barrier completed by TMA, a free one by FREE_ARRIVALS arrivals.
-    Returns (once, first ready, first free, second ready, second free)."""
-    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    first_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    first_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    second_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    second_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(once, count=1)
+def barrier_ring(NUM_STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
+    """NUM_STAGES mbarriers, each completed by ARRIVALS arrivals (a TMA load's: 1, its expect)."""
+    ring = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(first_ready.index(i), count=1)
-        mbarrier.init(second_ready.index(i), count=1)
-        mbarrier.init(first_free.index(i), count=FREE_ARRIVALS)
-        mbarrier.init(second_free.index(i), count=FREE_ARRIVALS)
-    return once, first_ready, first_free, second_ready, second_free
+        mbarrier.init(ring.index(i), count=ARRIVALS)
+    return ring
 
 
 @gluon.jit
@@ -289,9 +278,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready, k_ready, k_free, v_ready, v_free = ring_barriers(NUM_STAGES, 2)   # rings freed by both row groups
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_free, count=2)
+    # Arrivals by TMA (ready) and by both row groups (free).
+    q_ready, q_free = barrier_ring(1, 1).index(0), barrier_ring(1, 2).index(0)
+    k_ready, k_free = barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 2)
+    v_ready, v_free = barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 2)
     bars = (q_ready, q_free, k_ready, k_free, v_ready, v_free)
     smem = (q_smem, k_smem, v_smem)
     n_blocks = gl.cdiv(seqlen, BLOCK_M)

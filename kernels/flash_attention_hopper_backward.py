@@ -34,7 +34,7 @@ from triton.experimental.gluon.language._core import builtin
 
 from kernels.attention_workspace import one_pass_head_groups
 from kernels.flash_attention_hopper import (LOAD_REGISTERS, MAX_REGISTERS, _partner_range, _tile_runs,
-                                           _token_documents, _visible_pairs, ring_barriers)
+                                           _token_documents, _visible_pairs, barrier_ring)
 
 BLOCK_N = 128                      # keys per CTA
 BLOCK_M = 64                       # query rows per tile
@@ -68,7 +68,7 @@ def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     with its rows' log-sum-exp or delta: loaded by the compute warps from global memory, these made the
     backward 4-9% slower (docs/BENCHMARKS.md)."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
-    kv_bar, q_ready, q_free, do_ready, do_free = bars
+    kv_bar, q_ready, do_ready, stage_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -83,12 +83,11 @@ def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, lse_desc, delta
             stage = step % NUM_STAGES
             free_phase = ((step // NUM_STAGES) & 1) ^ 1
             start = lo + tile * BLOCK_M
-            mbarrier.wait(q_free.index(stage), free_phase)
+            mbarrier.wait(stage_free.index(stage), free_phase)
             mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [start, column], q_ready.index(stage), q_smem.index(stage))
             tma.async_copy_global_to_shared(lse_desc, [(stats + start).to(gl.int32)], q_ready.index(stage),
                                             lse_smem.index(stage))
-            mbarrier.wait(do_free.index(stage), free_phase)
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [start, column], do_ready.index(stage), do_smem.index(stage))
             tma.async_copy_global_to_shared(delta_desc, [(stats + start).to(gl.int32)], do_ready.index(stage),
@@ -111,7 +110,7 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
     """Both warp groups: the steps over (query head of the group, query tile), then dK and dV. dq_row0: the
     group's first head's first row in the accumulator."""
     k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, lse_smem, delta_smem = smem
-    kv_bar, q_ready, q_free, do_ready, do_free = bars
+    kv_bar, q_ready, do_ready, stage_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -178,8 +177,7 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
             fence_async_shared()
             _tma_reduce_add(dq_desc, [(dq_row + start).to(gl.int32), 0], dq_smem)
             dk = warpgroup_mma_wait(0, deps=(dk, ))
-            mbarrier.arrive(q_free.index(stage), count=1)
-            mbarrier.arrive(do_free.index(stage), count=1)
+            mbarrier.arrive(stage_free.index(stage), count=1)
             step += 1
 
     tma.store_wait(0)
@@ -244,7 +242,11 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
                                             layout=stats_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
-    bars = ring_barriers(NUM_STAGES, 1)     # K and V once; Q and dO rings (kv_bar, q_ready, q_free, do_ready, do_free)
+    # K and V once, Q's and dO's rings (arrivals by TMA), and one barrier per stage that frees it for both after
+    # the step's last product: a barrier each cost the compute partition one more barrier of its 8 warps per
+    # step, before the arrive of one thread (1% at 8k and 32k, docs/BENCHMARKS.md).
+    bars = (barrier_ring(1, 1).index(0), barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 1),
+            barrier_ring(NUM_STAGES, 1))
 
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, n_start, seqlen, BLOCK_N, CAUSAL, HAS_DOCS,
                                               KEYS=False)

@@ -5,18 +5,22 @@ variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed
 heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
 
     python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
+    python3 docs/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
+        # the kernel file at a git revision (it imports the working tree's other modules), the working
+        # tree's, and the named variants of the working tree's
 
 `--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at 32k our
 backward spent 22% more energy than cuDNN's in the same time (docs/BENCHMARKS.md).
 
-The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md); a new idea is one more entry in
-VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and cast, not the
-delta kernel)."""
+The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md), none faster beyond the spread; a new
+idea is one more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and
+cast, not the delta kernel)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib.util
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,9 +39,12 @@ SCALE = HEAD_DIM ** -0.5
 # label: (batch rows, the documents' lengths in each row, document bounds given even for one document per row)
 CASES = {"8k": (1, [8192], False), "32k": (1, [32768], False), "packed-16x4k": (1, [4096] * 16, True),
          # the packed case's work as a batch, without and with document bounds: what packing itself costs
-         "batch-16x4k": (16, [4096], False), "batch-16x4k-bounds": (16, [4096], True)}
+         "batch-16x4k": (16, [4096], False), "batch-16x4k-bounds": (16, [4096], True), "64k": (1, [65536], False),
+         "131k": (1, [131072], False)}
+DEFAULT_CASES = ["8k", "32k", "packed-16x4k", "batch-16x4k", "batch-16x4k-bounds"]
 
-# name: [(old, new), ...] applied to SOURCE in order
+# name: [(old, new), ...] applied to SOURCE in order. (Freeing dO's stage as soon as dV is done, measured
+# before dO and Q shared one free barrier per stage, is gone with that barrier: docs/BENCHMARKS.md.)
 VARIANTS = {
     # the softmax scale folded into P once P is stored for dV: dS carries it, dQ needs no multiply
     "scale_p": [
@@ -45,13 +52,6 @@ VARIANTS = {
          "            p = p * sm_scale\n            dp = warpgroup_mma_wait(1, deps=(dp, ))\n"),
         ("            dq = dq * sm_scale\n", ""),
         ("k_smem.store((dk * sm_scale).to(dtype))", "k_smem.store(dk.to(dtype))"),
-    ],
-    # dO's stage freed as soon as dV, its last reader, is done
-    "early_free": [
-        ("            mbarrier.arrive(do_free.index(stage), count=1)\n", ""),
-        ("            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n",
-         "            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))\n"
-         "            mbarrier.arrive(do_free.index(stage), count=1)\n"),
     ],
     # dQ accumulated token-major, [B, S, heads, D] as q is: the rows that the CTAs running together add to
     # (one document's, of every head) lie together, and the final cast is a plain copy
@@ -131,12 +131,15 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int, sampler=None) -> None:
+def run_case(label: str, case: tuple, modules: dict, rounds: int, cell_ms: float, sampler=None) -> None:
+    """Each module's backward against the first one's output, then all timed in turn, cells of about cell_ms."""
     args = inputs(*case)
+    reps = max(1, round(cell_ms / (backward_flops(*case[:2]) / 5e11)))   # at about 500 TFLOP/s
     call = lambda module: module.attention_backward(*args, True, SCALE, SCALE * fa.LOG2E)
-    base = call(modules["kernel"])
+    first = next(iter(modules))
+    base = call(modules[first])
     for name, module in modules.items():
-        if name != "kernel":
+        if name != first:
             print(f"{label} {name}: rel diff dq dk dv", [f"{rel_diff(a, b):.1e}" for a, b in zip(call(module), base)])
     time_in_turn(label, {name: (lambda module=module: call(module)) for name, module in modules.items()},
                  backward_flops(*case[:2]), rounds, reps, sampler)
@@ -145,7 +148,10 @@ def run_case(label: str, case: tuple, modules: dict, rounds: int, reps: int, sam
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)}; all of them if none")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=DEFAULT_CASES)
+    parser.add_argument("--base", metavar="REV", help="time the kernel file at this git revision against the working "
+                        "tree's instead of variants")
+    parser.add_argument("--cell-ms", type=float, default=100.0, help="GPU time of one timing of a case")
     parser.add_argument("--meter", action="store_true", help="clock, power and TFLOP/J of each (NVML)")
     args = parser.parse_args()
     unknown = set(args.variants) - set(VARIANTS)
@@ -154,11 +160,17 @@ def main() -> None:
     fa.ensure_allocator(torch.device("cuda"))
     sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if args.meter else None
     with tempfile.TemporaryDirectory() as folder, sampler or contextlib.nullcontext():
-        modules = {"kernel": load("kernel", SOURCE, Path(folder))}
-        modules.update({name: load(name, variant_source(name), Path(folder)) for name in args.variants or VARIANTS})
+        if args.base:
+            base = subprocess.run(["git", "show", f"{args.base}:kernels/flash_attention_hopper_backward.py"],
+                                  cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            modules = {args.base: load("base", base, Path(folder)), "tree": load("tree", SOURCE, Path(folder))}
+        else:
+            modules = {"kernel": load("kernel", SOURCE, Path(folder))}
+        named = args.variants or ([] if args.base else VARIANTS)
+        modules.update({name: load(name, variant_source(name), Path(folder)) for name in named})
         for label in args.cases:
-            run_case(label, CASES[label], modules, rounds=6 if label == "32k" else 9, reps=3 if label == "32k" else 20,
-                     sampler=sampler)
+            run_case(label, CASES[label], modules, rounds=6 if label in ("32k", "64k", "131k") else 9,
+                     cell_ms=args.cell_ms, sampler=sampler)
 
 
 if __name__ == "__main__":
