@@ -244,7 +244,8 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
     # K and V once, Q's and dO's rings (arrivals by TMA), and one barrier per stage that frees it for both after
     # the step's last product: a barrier each cost the compute partition one more barrier of its 8 warps per
-    # step, before the arrive of one thread (1% at 8k and 32k, docs/BENCHMARKS.md).
+    # step, before the arrive of one thread (0.8-0.9% slower at 8k and 32k, inside the runs' spreads:
+    # docs/BENCHMARKS.md).
     bars = (barrier_ring(1, 1).index(0), barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 1),
             barrier_ring(NUM_STAGES, 1))
 

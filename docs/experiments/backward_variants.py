@@ -6,8 +6,8 @@ heads of 128, causal, bf16); each is checked against the kernel as it is (dq dif
 
     python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
     python3 docs/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
-        # the kernel file at a git revision (it imports the working tree's other modules), the working
-        # tree's, and the named variants of the working tree's
+        # the kernel file at a git revision (with that revision's forward module, the working tree's
+        # others), the working tree's, and the named variants of the working tree's
 
 `--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at 32k our
 backward spent 22% more energy than cuDNN's in the same time (docs/BENCHMARKS.md).
@@ -107,6 +107,22 @@ def load(name: str, text: str, folder: Path):
     return module
 
 
+def load_revision(rev: str, folder: Path):
+    """The backward kernel file at a git revision, importing that revision's forward module (the helpers it
+    takes from there change with it; the other modules are the working tree's)."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+    name = "kernels.flash_attention_hopper"
+    forward = load("forward_of_base", show("kernels/flash_attention_hopper.py"), folder)
+    tree_forward = sys.modules[name]
+    sys.modules[name] = forward
+    try:
+        return load("base", show("kernels/flash_attention_hopper_backward.py"), folder)
+    finally:
+        sys.modules[name] = tree_forward
+
+
 def inputs(rows: int, lengths: list[int], with_bounds: bool):
     """q, k, v, dO, the forward's base-2 lse, delta and the document bounds of rows packed alike."""
     total = sum(lengths)
@@ -150,7 +166,7 @@ def main() -> None:
     parser.add_argument("variants", nargs="*", help=f"of {', '.join(VARIANTS)}; all of them if none")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=DEFAULT_CASES)
     parser.add_argument("--base", metavar="REV", help="time the kernel file at this git revision against the working "
-                        "tree's instead of variants")
+                        "tree's (and the variants named, if any)")
     parser.add_argument("--cell-ms", type=float, default=100.0, help="GPU time of one timing of a case")
     parser.add_argument("--meter", action="store_true", help="clock, power and TFLOP/J of each (NVML)")
     args = parser.parse_args()
@@ -161,9 +177,7 @@ def main() -> None:
     sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if args.meter else None
     with tempfile.TemporaryDirectory() as folder, sampler or contextlib.nullcontext():
         if args.base:
-            base = subprocess.run(["git", "show", f"{args.base}:kernels/flash_attention_hopper_backward.py"],
-                                  cwd=ROOT, capture_output=True, text=True, check=True).stdout
-            modules = {args.base: load("base", base, Path(folder)), "tree": load("tree", SOURCE, Path(folder))}
+            modules = {args.base: load_revision(args.base, Path(folder)), "tree": load("tree", SOURCE, Path(folder))}
         else:
             modules = {"kernel": load("kernel", SOURCE, Path(folder))}
         named = args.variants or ([] if args.base else VARIANTS)
