@@ -8,7 +8,7 @@
 #   bash scripts/gpu_session.sh full_131k peer_32k peer_131k                       # (over 10 minutes in one)
 #   SEQLENS="8192 32768 65536 131072" BENCH_ATTN_ARGS="--rounds 3 --clocks --rep-ms 1000" bash scripts/gpu_session.sh bench_attn
 #                                                                    # issue 13's attention table, one run
-#   git apply docs/experiments/dq_warp_backward.patch; bash scripts/gpu_session.sh attn_ab attn_tests
+#   git apply docs/experiments/dq_warp_backward.patch; bash scripts/gpu_session.sh bwd_ab attn_tests
 #                                                                    # an attention experiment against HEAD
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
@@ -57,12 +57,13 @@ for step in "$@"; do
     attn_energy) python3 scripts/bench_attention.py --seqlens 32768 --peers cudnn --rounds 5 --clocks --rep-ms 1000 \
         --no-packed 2>&1 | tee $OUT/attn_energy.log | tail -5 ;;
     bwd_energy) python3 docs/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
-    # The working tree's Gluon kernels against the files at AB_BASE (HEAD by default; one-second cells, in turn),
-    # then their GPU tests: an experiment applied as a patch (docs/experiments/*.patch) measured in one call.
-    attn_ab) python3 docs/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
-        2>&1 | tee $OUT/bwd_ab.log
-      git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
-      AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log | grep -v "max diff 0 lse max diff 0 nan False" ;;
+    # The working tree's Gluon backward or forward against the file at AB_BASE (HEAD by default; one-second cells,
+    # in turn), then their GPU tests: an experiment applied as a patch (docs/experiments/*.patch) in one call.
+    bwd_ab) python3 docs/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
+        2>&1 | tee $OUT/bwd_ab.log ;;
+    fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
+      AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
+        grep -v "max diff 0 lse max diff 0 nan False" ;;
     attn_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q --tb=short tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" 2>&1 | tee $OUT/attn_tests.log | tail -3 ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
