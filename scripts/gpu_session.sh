@@ -58,7 +58,8 @@ for step in "$@"; do
         --no-packed 2>&1 | tee $OUT/attn_energy.log | tail -5 ;;
     bwd_energy) python3 docs/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
     # The working tree's Gluon backward or forward against the file at AB_BASE (HEAD by default; one-second cells,
-    # in turn), then their GPU tests: an experiment applied as a patch (docs/experiments/*.patch) in one call.
+    # in turn), and the Gluon kernels' GPU tests: an experiment applied as a patch (docs/experiments/*.patch)
+    # measured and tested in one call.
     bwd_ab) python3 docs/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
         2>&1 | tee $OUT/bwd_ab.log ;;
     fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
