@@ -80,8 +80,16 @@ def _hopper_backward(all_configs: bool):
 
 
 def compile_jobs(all_configs: bool) -> list[tuple]:
-    """(kernel, constexprs, options, pointer dtypes, scalar dtypes) per compile; a pointer not named takes
-    bf16 (attention kernels: upper-case names; the others: names ending in _ptr), a scalar not named i32."""
+    """(kernel, constexprs, options, pointer dtypes, scalar dtypes, integers aligned) per compile; a pointer not
+    named takes bf16 (attention kernels: upper-case names; the others: names ending in _ptr), a scalar not
+    named i32. Integers aligned: compiled as a launch whose integers are multiples of 16 (Llama's strides,
+    lengths and head counts) gets them, else as one with odd lengths; the Hopper kernels both ways (ptxas
+    crashed on one backward with its length aligned only: docs/BENCHMARKS.md)."""
+    return ([(*job, True) for job in _jobs(all_configs)]
+            + [(*job, False) for job in (*_hopper_forward(False)[:1], *_hopper_backward(False)[:1])])
+
+
+def _jobs(all_configs: bool) -> list[tuple]:
     norm_backward = dict(BLOCK_H=NORM_BLOCK, CENTERED=True, COMPUTE_DX=True, COMPUTE_DW=True, COMPUTE_DB=True)
     stats = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "db_partial_ptr": "*fp32"}
     return [
@@ -139,10 +147,10 @@ def _spill_bytes(ptx: str, arch: str) -> int:
 def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
     """The index-th job (jobs hold kernels, which do not pickle: a worker rebuilds the list), for sm_90a if
     it is a Gluon (Hopper) kernel, else for sm_80."""
-    fn, constexprs, options, pointers, scalars = compile_jobs(all_configs)[index]
+    fn, constexprs, options, pointers, scalars, integers_aligned = compile_jobs(all_configs)[index]
     hopper = fn.is_gluon()
     signature, attrs = {}, {}
-    for index, name in enumerate(fn.arg_names):
+    for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in ("DOC_START", "DOC_END") and not constexprs.get("HAS_DOCS", True):
@@ -152,9 +160,13 @@ def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
             attrs[(index,)] = [["tt.divisibility", 16]]   # as Triton specializes torch's aligned tensors
         else:
             signature[name] = scalars.get(name, "i32")
+            if signature[name] == "i32" and integers_aligned and not (param.do_not_specialize
+                                                                      or param.do_not_specialize_on_alignment):
+                attrs[(index,)] = [["tt.divisibility", 16]]   # as Triton specializes a multiple of 16
     result = {"kernel": f"{fn.__module__}.{fn.__name__}", "target": "sm_90a" if hopper else "sm_80",
               "variant": {k: v for k, v in constexprs.items()
-                          if k.startswith(("BLOCK", "HAS_DOCS", "HEAD_DIM", "CAUSAL"))} | options}
+                          if k.startswith(("BLOCK", "HAS_DOCS", "HEAD_DIM", "CAUSAL"))} | options
+              | {"integers_aligned": integers_aligned}}
     start = time.time()
     source = (GluonASTSource if hopper else ASTSource)(fn, signature, constexprs, attrs)
     try:

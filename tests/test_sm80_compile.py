@@ -5,7 +5,9 @@ tests/sm80_compile.py compiles each kernel with triton.compile for GPUTarget("cu
 (Triton's wheel carries ptxas; no CUDA driver is needed). Checked: no kernel is left out, each compiles,
 its PTX targets sm_80 with no Hopper instruction (TMA, wgmma: Triton rewrites the attention's tensor
 descriptors into pointer loads there), the attention products use mma.sync, and its shared memory fits an
-A100's 163 KiB per block (else the launch would fail with OutOfResources). Runs in a child process: this
+A100's 163 KiB per block (else the launch would fail with OutOfResources). Integer arguments are compiled
+as Triton specializes those of a launch at Llama's shapes (multiples of 16), and the Hopper kernels also
+unaligned: ptxas crashed on a backward only when its length was known aligned. Runs in a child process: this
 one runs Triton's interpreter, whose kernels cannot be compiled. About 20 s on 2 cores.
 """
 import json
