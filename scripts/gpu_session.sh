@@ -20,6 +20,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 # The GPU tests in two halves (together they outlast one 10-minute call); -v names each result as it comes.
 KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/test_kernels_gpu.py tests/test_rope_swiglu_gpu.py"
+# A test still running after 2 minutes has every thread's stack written to the log (a hang shows where it is).
+STACKS="-o faulthandler_timeout=120"
 TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_resume.py tests/test_dispatch.py
   tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py"
 bench() { python3 scripts/bench_train.py "$@" 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
@@ -45,11 +47,11 @@ export -f recall_curve
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    kernel_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    kernel_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-3600} python3 -m pytest -v --tb=short $STACKS $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
     offload_cuda_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short tests/test_offload.py -k cuda \
         2>&1 | tee $OUT/offload_cuda_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
-    training_tests) TRITON_INTERPRET=0 python3 -m pytest -v --tb=short $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    training_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-3600} python3 -m pytest -v --tb=short $STACKS $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
     # Work per joule at 32k (one-second cells: NVML's energy counter is too coarse for shorter ones), then the

@@ -2,12 +2,16 @@
 
 `triton.jit` picks interpreter or compiler when a kernel module is imported, so TRITON_INTERPRET must be
 set before any `kernels.*` Triton module loads; test modules import this helper before anything else.
+TRITON_INTERPRET=0 (a GPU session's tests) stays: one module collected with the interpreter on would run
+every later kernel of the session interpreted, on CUDA tensors too (a 512-token attention test then ran
+for minutes on the H100, as if hung).
 It also carries the fix of triton-lang/triton#9171 (triton 3.6 with numpy >= 2.4: a loop bound that is a
 kernel argument fails with "only 0-dimensional arrays can be converted to Python scalars").
 """
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") != "0":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton.runtime.interpreter as _interpreter  # noqa: E402
 

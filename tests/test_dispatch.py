@@ -145,3 +145,17 @@ def test_the_cudnn_path_checks_shapes_before_any_kernel(monkeypatch, kv_heads, v
     k = torch.zeros(1, 8, kv_heads, 64, dtype=torch.bfloat16)
     with pytest.raises((ValueError, TypeError), match=message):
         cudnn_attention._forward(q, k, k.to(v_dtype), True, 0.125)
+
+
+@pytest.mark.parametrize("asked, runs", [(None, "1"), ("0", "0")])
+def test_the_test_helper_turns_the_interpreter_on_unless_a_gpu_session_turned_it_off(asked, runs):
+    """conftest_kernels in a fresh process: one test module that switched the interpreter on under
+    TRITON_INTERPRET=0 would make every later kernel of a GPU session run interpreted, on CUDA tensors too."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update({"TRITON_INTERPRET": asked} if asked else {})
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = (f"import sys; sys.path.insert(0, {tests_dir!r}); import conftest_kernels, os; "
+              "print(os.environ['TRITON_INTERPRET'])")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == runs
