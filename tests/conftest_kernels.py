@@ -30,6 +30,11 @@ if not getattr(_interpreter, "_scalar_index_fixed", False):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# A test that runs Triton kernels on CPU tensors: compiled Triton (a GPU session) cannot, and tests/*_gpu.py
+# cover the kernels there.
+needs_interpreter = pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1",
+                                       reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+
 
 @pytest.fixture
 def poisoned_empty():

@@ -1,21 +1,25 @@
-"""The fused AdamW kernel (Triton interpreter on CPU) against `reference.adamw_update`, and the reference
-against torch.optim.AdamW; bf16 storage rounds stochastically without bias."""
+"""The fused AdamW kernel against `reference.adamw_update` (through Triton's interpreter on CPU tensors, or
+compiled on the GPU under TRITON_INTERPRET=0), and the reference against torch.optim.AdamW; bf16 storage
+rounds stochastically without bias."""
 import tests.conftest_kernels  # noqa: F401  (interpreter on, before anything imports triton)
 
 import pytest
 import torch
 
+from conf.schema.job import triton_interpreting
 from kernels import reference
 from kernels.adamw_update import adamw_update
+
+DEVICE = "cpu" if triton_interpreting() else "cuda"
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
-def random_state(n, dtype, seed):
+def random_state(n, dtype, seed, device=DEVICE):
     generator = torch.Generator().manual_seed(seed)
     param, grad, exp_avg = (torch.randn(n, generator=generator) for _ in range(3))
     exp_avg_sq = torch.rand(n, generator=generator)
-    return [t.to(dtype) for t in (param, grad, exp_avg, exp_avg_sq)]
+    return [t.to(device, dtype) for t in (param, grad, exp_avg, exp_avg_sq)]
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
@@ -29,7 +33,7 @@ def test_kernel_matches_reference(dtype, rtol):
 
 
 def test_reference_is_torch_adamw():
-    param, grad, exp_avg, exp_avg_sq = random_state(500, torch.float32, seed=2)
+    param, grad, exp_avg, exp_avg_sq = random_state(500, torch.float32, seed=2, device="cpu")
     torch_param = torch.nn.Parameter(param.clone())
     optimizer = torch.optim.AdamW([torch_param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                                   eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
@@ -46,8 +50,8 @@ def test_reference_is_torch_adamw():
 def test_bf16_updates_below_resolution_are_kept_in_expectation(update):
     """1.0 in bf16 has a resolution of 2^-7: a 1e-4 step is rounded away to nearest but survives on average."""
     n = 4096
-    param = torch.ones(n, dtype=torch.bfloat16)
-    grad = torch.ones(n, dtype=torch.bfloat16)
+    param = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
+    grad = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     update(param, grad, exp_avg, exp_avg_sq, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
            step=1, seed=7)

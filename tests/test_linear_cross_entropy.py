@@ -1,7 +1,7 @@
 """Chunked fused linear cross-entropy (kernels/linear_cross_entropy.py) on CPU through Triton's interpreter,
 against the fp32 reference: loss and both gradients, fp32 and fp16, chunking-invariance, ignore_index,
 frozen weight or hidden, gradient scaling. (bf16 at Llama-3 shapes: tests/test_kernels_gpu.py.)"""
-import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
+import conftest_kernels  # first: sets TRITON_INTERPRET=1 before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import importlib
@@ -12,6 +12,8 @@ import torch
 import kernels
 from kernels import reference
 from kernels.linear_cross_entropy import DEFAULT_MEMORY_BUDGET, linear_cross_entropy, plan_chunks
+
+pytestmark = conftest_kernels.needs_interpreter
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
 

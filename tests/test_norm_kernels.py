@@ -1,7 +1,7 @@
 """Triton RMSNorm and LayerNorm (kernels/rms_norm.py, kernels/layer_norm.py) on CPU through Triton's
 interpreter, against the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes.
 (bf16 runs on the GPU only: tests/test_kernels_gpu.py.)"""
-import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
+import conftest_kernels  # first: sets TRITON_INTERPRET=1 before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import zlib
@@ -13,6 +13,8 @@ import kernels
 from kernels import _row_norm, reference
 from kernels.layer_norm import layer_norm
 from kernels.rms_norm import rms_norm
+
+pytestmark = conftest_kernels.needs_interpreter
 
 # Leading shapes of every rank, hidden sizes from 3 to 16384 that are mostly not powers of two.
 SHAPES = [(1, 3), (1, 8), (3, 5, 33), (17, 64), (2, 3, 100), (4, 1000), (2, 16384)]

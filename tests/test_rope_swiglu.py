@@ -2,7 +2,7 @@
 the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes, packed-document positions, and
 the model through the memory policy (recomputed layers, tiled MLP). (bf16 at real shapes: GPU only,
 tests/test_rope_swiglu_gpu.py.)"""
-import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernels.* Triton module loads)
+import conftest_kernels  # first: sets TRITON_INTERPRET=1 before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import zlib
@@ -18,6 +18,8 @@ from kernels.swiglu import swiglu
 from model import Llama, LlamaConfig
 from model.llama import LlamaModel, positions_from_documents
 from offload.policy import apply_memory_policy
+
+pytestmark = conftest_kernels.needs_interpreter
 
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3}
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
