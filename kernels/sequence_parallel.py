@@ -19,11 +19,12 @@ from conf.schema.parallel import heads_split
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split x along scatter_dim into one part per rank, send part i to rank i, and concatenate what
-    arrives, in rank order, along gather_dim."""
-    parts = [part.contiguous() for part in x.chunk(dist.get_world_size(group), dim=scatter_dim)]
-    received = [torch.empty_like(part) for part in parts]
-    dist.all_to_all(received, parts, group=group)
-    return torch.cat(received, dim=gather_dim)
+    arrives, in rank order, along gather_dim. The parts go stacked in one tensor: gloo (CPU ranks) has
+    no list all_to_all in torch 2.11, only the single-tensor one."""
+    parts = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter_dim))
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -18,8 +18,10 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
-# The GPU tests in two halves (together they outlast one 10-minute call); -v names each result as it comes.
-KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/test_kernels_gpu.py tests/test_rope_swiglu_gpu.py"
+# The GPU tests in two halves (on the H100 kernel_tests took 5 minutes, training_tests 1.5: both fit one call);
+# -v names each result as it comes.
+KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/test_kernels_gpu.py tests/test_rope_swiglu_gpu.py
+  tests/test_adamw_kernel.py"
 # A test still running after 2 minutes has every thread's stack written to the log (a hang shows where it is).
 STACKS="-o faulthandler_timeout=120"
 TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_resume.py tests/test_dispatch.py

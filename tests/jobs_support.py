@@ -18,7 +18,8 @@ from trainer.metrics import METRICS_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 # The tiny model on a short recall task: a step takes well under a second on one CPU core.
-FAST = ["seq_len=128", "batch_size=2", "data.num_pairs=4", "data.num_queries=2", "max_steps=6",
+# On the CPU wherever the test runs, as in CI (a test that means the GPU says device=cuda after these).
+FAST = ["device=cpu", "seq_len=128", "batch_size=2", "data.num_pairs=4", "data.num_queries=2", "max_steps=6",
         "optim.warmup_steps=1", "log_every=1", "logger.wandb.mode=disabled", "logger.progress_bar=false",
         "checkpoint.every_steps=0", "checkpoint.every_minutes=0", "checkpoint.keep_last=0"]
 

@@ -1,12 +1,14 @@
 """trainer.distributed.World over 2 gloo processes: a failure of what rank 0 alone does reaches every rank,
-and the reductions every rank plans with agree."""
+and the reductions every rank plans with agree; a rank's GPU, or a clear error where the machine has too few."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from conf.validate import ConfigError
 from tests.gloo_support import run_two_ranks
-from trainer.distributed import MainRankFailed, World, world_of
+from trainer.distributed import MainRankFailed, World, rank_device, world_of
 
 
 def _disk_full():
@@ -66,3 +68,17 @@ def test_each_rank_gets_its_own_gpu_generator_back(monkeypatch, caplog):
     assert restored == [by_rank[1]]
     restore_rng_state(state, rank=0, world_size=1)
     assert restored == [by_rank[1]] and "GPU RNG states of 2 processes, this job runs 1" in caplog.text
+
+
+def test_more_processes_than_gpus_on_a_machine_is_a_clear_error(monkeypatch):
+    """torchrun --nproc-per-node=2 on a one-GPU machine: the second rank is told what to change, not CUDA's
+    "invalid device ordinal"."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"started 2 processes on this machine, which has 1 GPU\(s\).*"
+                                          r"--nproc-per-node=1.*device=cpu"):
+        rank_device(torch.device("cuda"))
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")

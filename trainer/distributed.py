@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from conf.schema.parallel import world_size
+from conf.validate import ConfigError
 
 
 class MainRankFailed(RuntimeError):
@@ -158,8 +159,16 @@ def ranks_per_host() -> int:
 
 
 def rank_device(device: torch.device) -> torch.device:
-    """The device of this process: on CUDA, the GPU of its local rank."""
-    return torch.device("cuda", local_rank()) if device.type == "cuda" else device
+    """The device of this process: on CUDA, the GPU of its local rank; a ConfigError when the machine has
+    fewer GPUs than torchrun started processes on it (else CUDA's "invalid device ordinal" on one rank)."""
+    if device.type != "cuda":
+        return device
+    gpus = torch.cuda.device_count()
+    if local_rank() >= gpus:
+        raise ConfigError(f"torchrun started {ranks_per_host()} processes on this machine, which has {gpus} "
+                          f"GPU(s): start at most {gpus} (--nproc-per-node={gpus}), or give device=cpu to train "
+                          f"on the CPU")
+    return torch.device("cuda", local_rank())
 
 
 def init_world(sequence: int, device: torch.device) -> World:
