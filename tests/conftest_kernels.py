@@ -1,17 +1,20 @@
-"""Import first in a test module that runs Triton kernels on CPU tensors through Triton's interpreter.
+"""Import first in a test module that runs Triton kernels: it settles, once for the session, whether they
+run through Triton's interpreter (on CPU tensors) or compiled (on the GPU).
 
 `triton.jit` picks interpreter or compiler when a kernel module is imported, so TRITON_INTERPRET must be
-set before any `kernels.*` Triton module loads; test modules import this helper before anything else.
-TRITON_INTERPRET=0 (a GPU session's tests) stays: one module collected with the interpreter on would run
-every later kernel of the session interpreted, on CUDA tensors too (a 512-token attention test then ran
-for minutes on the H100, as if hung).
+set before any `kernels.*` Triton module loads; tests/conftest.py imports this helper before any test module.
+A TRITON_INTERPRET already set stays; unset, it is 1 without a GPU and 0 with one. One module that turned
+the interpreter on in a GPU session would run every later kernel interpreted, on CUDA tensors too (a
+512-token attention test then ran for minutes on the H100, as if hung); tests that need the interpreter
+skip instead (`needs_interpreter`).
 It also carries the fix of triton-lang/triton#9171 (triton 3.6 with numpy >= 2.4: a loop bound that is a
 kernel argument fails with "only 0-dimensional arrays can be converted to Python scalars").
 """
 import os
 
-if os.environ.get("TRITON_INTERPRET") != "0":
-    os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import triton.runtime.interpreter as _interpreter  # noqa: E402
 
@@ -28,7 +31,6 @@ if not getattr(_interpreter, "_scalar_index_fixed", False):
 
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 # A test that runs Triton kernels on CPU tensors: compiled Triton (a GPU session) cannot, and tests/*_gpu.py
 # cover the kernels there.

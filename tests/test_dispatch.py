@@ -147,10 +147,10 @@ def test_the_cudnn_path_checks_shapes_before_any_kernel(monkeypatch, kv_heads, v
         cudnn_attention._forward(q, k, k.to(v_dtype), True, 0.125)
 
 
-@pytest.mark.parametrize("asked, runs", [(None, "1"), ("0", "0")])
-def test_the_test_helper_turns_the_interpreter_on_unless_a_gpu_session_turned_it_off(asked, runs):
-    """conftest_kernels in a fresh process: one test module that switched the interpreter on under
-    TRITON_INTERPRET=0 would make every later kernel of a GPU session run interpreted, on CUDA tensors too."""
+@pytest.mark.parametrize("asked, runs", [(None, "0" if torch.cuda.is_available() else "1"), ("0", "0"), ("1", "1")])
+def test_the_test_helper_interprets_without_a_gpu_unless_told(asked, runs):
+    """conftest_kernels in a fresh process: one test module that switched the interpreter on in a GPU
+    session would make every later kernel run interpreted, on CUDA tensors too."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update({"TRITON_INTERPRET": asked} if asked else {})
     tests_dir = os.path.dirname(os.path.abspath(__file__))
