@@ -19,12 +19,13 @@ from conf.schema.parallel import heads_split
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split x along scatter_dim into one part per rank, send part i to rank i, and concatenate what
-    arrives, in rank order, along gather_dim. The parts go stacked in one tensor: gloo (CPU ranks) has
-    no list all_to_all in torch 2.11, only the single-tensor one."""
-    parts = torch.stack(x.chunk(dist.get_world_size(group), dim=scatter_dim))
+    arrives, in rank order, along gather_dim (both dims counted from the front). The parts travel as one
+    tensor with the rank first: gloo (CPU ranks) has no list all_to_all in torch 2.11, only the single-tensor
+    one. With one batch row, splitting the sequence sends x itself and gathering it returns a view: no copy."""
+    parts = x.unflatten(scatter_dim, (dist.get_world_size(group), -1)).movedim(scatter_dim, 0).contiguous()
     received = torch.empty_like(parts)
     dist.all_to_all_single(received, parts, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -49,11 +49,11 @@ export -f recall_curve
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    kernel_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-3600} python3 -m pytest -v --tb=short $STACKS $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    kernel_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -v --tb=short $STACKS $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
     offload_cuda_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short tests/test_offload.py -k cuda \
         2>&1 | tee $OUT/offload_cuda_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
-    training_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-3600} python3 -m pytest -v --tb=short $STACKS $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    training_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short $STACKS $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
     # Work per joule at 32k (one-second cells: NVML's energy counter is too coarse for shorter ones), then the

@@ -6,9 +6,10 @@ so `triton.compile` with an explicit GPUTarget("cuda", 80, 32) runs down to a cu
 must run in a process without TRITON_INTERPRET=1, under which `triton.jit` makes interpreter objects that
 cannot be compiled; tests/test_sm80_compile.py starts this file so. Prints one JSON line per compile.
 
-    python tests/sm80_compile.py                # each kernel once (attention: first candidate, no documents)
+    python tests/sm80_compile.py                # each kernel once (attention: first candidate, no documents),
+                                                # and the attention kernels also at odd lengths (23 compiles)
     python tests/sm80_compile.py --all-configs  # every attention candidate, with and without documents
-                                                # (42 compiles, 3-6 minutes on 2 cores)
+                                                # (58 compiles, 3-6 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -82,11 +83,16 @@ def _hopper_backward(all_configs: bool):
 def compile_jobs(all_configs: bool) -> list[tuple]:
     """(kernel, constexprs, options, pointer dtypes, scalar dtypes, integers aligned) per compile; a pointer not
     named takes bf16 (attention kernels: upper-case names; the others: names ending in _ptr), a scalar not
-    named i32. Integers aligned: compiled as a launch whose integers are multiples of 16 (Llama's strides,
-    lengths and head counts) gets them, else as one with odd lengths; the Hopper kernels both ways (ptxas
-    crashed on one backward with its length aligned only: docs/BENCHMARKS.md)."""
-    return ([(*job, True) for job in _jobs(all_configs)]
-            + [(*job, False) for job in (*_hopper_forward(False)[:1], *_hopper_backward(False)[:1])])
+    named i32. Every kernel is compiled with its integer arguments known to be multiples of 16, as Triton
+    specializes a launch at Llama's shapes (strides, lengths, head counts); the attention kernels' first
+    configuration also without, as a launch at an odd length is compiled. Both matter: ptxas crashed on a
+    Hopper backward only with its length aligned, and the sm_80 attention kernels take more shared memory
+    aligned (docs/BENCHMARKS.md)."""
+    odd_lengths = [fa._attn_fwd_kernel, fa._attn_bwd_dq_kernel, fa._attn_bwd_dkdv_kernel,
+                   fa_hopper._attn_fwd_kernel, fa_hopper_backward._attn_bwd_kernel]
+    jobs = _jobs(all_configs)
+    return ([(*job, True) for job in jobs]
+            + [(*next(job for job in jobs if job[0] is kernel), False) for kernel in odd_lengths])
 
 
 def _jobs(all_configs: bool) -> list[tuple]:

@@ -2,7 +2,7 @@
 its saved tensors counted through saved-tensor hooks (Triton attention, interpreted on CPU), in fp32 and as
 the trainer runs LoRA on a GPU (bf16 base, fp32 adapters, bf16 autocast). A model change that keeps more
 fails here."""
-import conftest_kernels  # noqa: F401  (before anything imports Triton)
+import conftest_kernels  # first: interpreter or compiler settled before anything imports Triton
 
 from types import SimpleNamespace
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import kernels
-from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.byte_model import Shape, full_layer_bytes, projection_shapes
 from offload.policy import apply_memory_policy
@@ -48,8 +47,6 @@ def kept_bytes(model, tiles: int, dtype: torch.dtype = torch.float32) -> int:
 
 LORA_CASES = [("lora", 0.0, ALL_SEVEN), ("lora", 0.3, ALL_SEVEN), ("lora", 0.0, ["q_proj", "v_proj", "down_proj"])]
 LORA_IDS = ["lora", "lora-dropout", "lora-some"]
-interpreted_triton = pytest.mark.skipif(not triton_interpreting(),
-                                        reason="the Triton attention on CPU tensors needs TRITON_INTERPRET=1")
 
 
 def measured_layer(build, tiles: int, dtype: torch.dtype) -> int:
@@ -65,7 +62,7 @@ def lora_config(dropout: float, targets: list[str]) -> SimpleNamespace:
     return SimpleNamespace(mode="lora", lora_r=4, lora_alpha=8.0, lora_dropout=dropout, lora_target_modules=targets)
 
 
-@interpreted_triton
+@conftest_kernels.needs_interpreter
 @pytest.mark.parametrize("mode, dropout, targets", [*LORA_CASES, ("full", 0.0, [])], ids=[*LORA_IDS, "full"])
 @pytest.mark.parametrize("tiles", [1, 2], ids=["untiled", "tiled"])
 def test_full_layer_bytes_equal_what_autograd_keeps(mode, dropout, targets, tiles):
@@ -76,7 +73,7 @@ def test_full_layer_bytes_equal_what_autograd_keeps(mode, dropout, targets, tile
     assert measured == full_layer_bytes(Shape(LlamaConfig(**SHAPE), TOKENS, 4), train, tiles > 1, "cpu")
 
 
-@interpreted_triton
+@conftest_kernels.needs_interpreter
 @pytest.mark.parametrize("dropout, targets", [case[1:] for case in LORA_CASES], ids=LORA_IDS)
 @pytest.mark.parametrize("tiles", [1, 2], ids=["untiled", "tiled"])
 def test_full_layer_bytes_equal_what_autograd_keeps_as_the_trainer_runs_lora_on_a_gpu(dropout, targets, tiles):

@@ -2,17 +2,16 @@
 
 CPU tests run the kernels through Triton's interpreter (fp32/fp16 only: the interpreter computes tl.dot on
 bf16 operands wrongly) on small odd shapes. GPU tests run the compiled kernels in bf16 against the fp32
-reference. Triton picks interpreter or compiler once per process, when it is imported, so the GPU tests
-run only in a process started with TRITON_INTERPRET=0 on a CUDA machine:
-
-    TRITON_INTERPRET=0 python -m pytest tests/test_flash_attention.py   # GPU tests; CPU tests skip
+reference. Triton picks interpreter or compiler once per process, when it is imported: tests/conftest.py
+picks the compiler on a CUDA machine unless TRITON_INTERPRET=1 is set, so there the GPU tests run and the
+CPU tests skip.
 """
 import math
 import os
 
 COMPILED = os.environ.get("TRITON_INTERPRET") == "0"
 if not COMPILED:
-    import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+    import conftest_kernels  # noqa: F401  (interpreter or compiler settled before triton loads)
 
 import subprocess
 import sys

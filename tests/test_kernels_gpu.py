@@ -1,8 +1,8 @@
 """Issue-3 kernels at real shapes in bf16 on a CUDA GPU, against the fp32 reference.
 
-Skipped without CUDA, and under TRITON_INTERPRET=1 (the CPU suites set it; run this file in its own
-process on a GPU machine: `python -m pytest tests/test_kernels_gpu.py`). Kernel modules are imported inside
-the tests so that collecting this file never decides interpreter-or-compiler for the CPU suites.
+Skipped without CUDA, and under TRITON_INTERPRET=1 (tests/conftest.py sets it on a machine without a GPU,
+and compiles on one with a GPU unless told). Kernel modules are imported inside the tests so that collecting
+this file never decides interpreter-or-compiler for the CPU suites.
 """
 import os
 

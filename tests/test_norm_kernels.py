@@ -1,7 +1,7 @@
 """Triton RMSNorm and LayerNorm (kernels/rms_norm.py, kernels/layer_norm.py) on CPU through Triton's
 interpreter, against the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes.
 (bf16 runs on the GPU only: tests/test_kernels_gpu.py.)"""
-import conftest_kernels  # first: sets TRITON_INTERPRET=1 before any kernels.* Triton module loads
+import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import zlib

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kernels
-from conf.schema.job import triton_interpreting
 from model import Llama, LlamaConfig
 from offload.byte_model import Shape
 from offload.engine import ALIGNMENT, CopyEngine
@@ -17,6 +16,10 @@ from offload.placement import backward_attention_forwards
 from offload.policy import apply_memory_policy
 from offload.store import LayerInputStore, attention_key, input_key
 from trainer.build import apply_lora
+
+from conftest_kernels import needs_interpreter
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak")
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0)
@@ -302,7 +305,7 @@ def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separate
     LayerInputStore(["full", "gpu", "recompute", "full", "host", "recompute"], CopyEngine(torch.device("cpu")))
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@needs_interpreter
 @pytest.mark.parametrize("placements, attention, launches, host_kept", [
     # 4 forwards + layer 2's recomputation (attention not kept) + layer 1 rebuilding layer 2's input
     (["gpu", "host", "recompute", "host"], ["host", "gpu", "none", "host"], 6, 3),
@@ -366,7 +369,7 @@ def traced_step(monkeypatch, attention=None):
     return policy, events, planned_backward_forwards(model, 24, policy)
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_backward(monkeypatch):
     """Layer 1 runs again in the backward to rebuild layer 2's input; that run's attention output goes into
     layer 1's own input buffer on the host (idle by then), and layer 1's recomputation replays it: one
@@ -384,7 +387,7 @@ def test_a_layer_rebuilding_the_input_above_keeps_its_attention_for_its_own_back
     # attention, not the layer's work before it
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_a_recomputed_input_keeps_its_attention_output_copied_back_in_its_own_backward(monkeypatch):
     """Layer 2's input is recomputed and its attention output kept on the host (the planner's pairs past the
     host's room): its recomputation replays it, as layer 1's replays its rebuilding run's, so the backward
@@ -435,7 +438,7 @@ def test_recomputations_compute_no_output_that_nothing_reads():
     assert down_products == [3] * 4      # the backward's tiles compute no down projection output
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer_below():
     """The first backward starts the copy of its attention outputs itself: queued behind the prefetch of
     the next input, the compute stream would wait for that one too (1 GiB at 131k tokens)."""
@@ -498,17 +501,14 @@ def peak_bytes_above_start(step, device: torch.device) -> int:
     return max(total for total, _ in totals) - (totals[0][0] - totals[0][1])
 
 
-@pytest.mark.parametrize("device, seqlen, hidden", [("cpu", 32, 128), ("cuda", 8192, 256)])
+@pytest.mark.parametrize("device, seqlen, hidden", [pytest.param("cpu", 32, 128, marks=needs_interpreter),
+                                                     pytest.param("cuda", 8192, 256, marks=needs_cuda)])
 def test_a_full_top_layer_raises_the_peak_by_at_most_one_activation(device, seqlen, hidden):
     """offload.byte_model.top_layer_full_costs_nothing: a full top layer's backward holds what a checkpointed
     top layer's recomputation rebuilds, with the same gradients (its MLP output, which the recomputation skips,
     is the one activation of difference allowed), so the step's peak stays where the planner puts a
     checkpointed layer's backward. The vocabulary is tiny, so the loss is no peak here. On the CPU the
     Triton kernels run interpreted and the profiler's memory events give the peak."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA: the allocator's peak")
-    if device == "cpu" and not triton_interpreting():
-        pytest.skip("runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
     kernels.set_backend("triton" if device == "cpu" else "auto", "flash")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = {**TINY, "hidden_size": hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": 1}

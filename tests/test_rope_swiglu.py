@@ -2,7 +2,7 @@
 the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes, packed-document positions, and
 the model through the memory policy (recomputed layers, tiled MLP). (bf16 at real shapes: GPU only,
 tests/test_rope_swiglu_gpu.py.)"""
-import conftest_kernels  # first: sets TRITON_INTERPRET=1 before any kernels.* Triton module loads
+import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import zlib

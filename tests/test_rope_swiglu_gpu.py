@@ -1,8 +1,8 @@
 """Triton RoPE and SwiGLU at Llama-3 8B's shapes in bf16 on a CUDA GPU, against the fp32 reference.
 
-Skipped without CUDA, and under TRITON_INTERPRET=1 (run in its own process on a GPU machine:
-`TRITON_INTERPRET=0 python -m pytest tests/test_rope_swiglu_gpu.py`). Kernel modules are imported inside
-the tests so that collecting this file never decides interpreter-or-compiler for the CPU suites.
+Skipped without CUDA, and under TRITON_INTERPRET=1 (tests/conftest.py sets it on a machine without a GPU,
+and compiles on one with a GPU unless told). Kernel modules are imported inside the tests so that collecting
+this file never decides interpreter-or-compiler for the CPU suites.
 """
 import os
 from types import SimpleNamespace

@@ -1,13 +1,13 @@
-"""Every Triton kernel of kernels/ compiles for the A100 (sm_80), and the Gluon Hopper forward for sm_90a,
-proven on any machine, GPU or not.
+"""Every Triton kernel of kernels/ compiles for the A100 (sm_80), and the Gluon Hopper forward and backward
+for sm_90a, proven on any machine, GPU or not.
 
 tests/sm80_compile.py compiles each kernel with triton.compile for GPUTarget("cuda", 80, 32) down to a cubin
 (Triton's wheel carries ptxas; no CUDA driver is needed). Checked: no kernel is left out, each compiles,
 its PTX targets sm_80 with no Hopper instruction (TMA, wgmma: Triton rewrites the attention's tensor
 descriptors into pointer loads there), the attention products use mma.sync, and its shared memory fits an
 A100's 163 KiB per block (else the launch would fail with OutOfResources). Integer arguments are compiled
-as Triton specializes those of a launch at Llama's shapes (multiples of 16), and the Hopper kernels also
-unaligned: ptxas crashed on a backward only when its length was known aligned. Runs in a child process: this
+as Triton specializes those of a launch at Llama's shapes (multiples of 16), and the attention kernels' also
+unaligned (an odd length): ptxas crashed on a Hopper backward only when its length was known aligned. Runs in a child process: this
 one runs Triton's interpreter, whose kernels cannot be compiled. About 20 s on 2 cores.
 """
 import json
@@ -61,3 +61,4 @@ def test_every_kernel_compiles_for_the_a100():
         if "flash_attention" in name and "delta" not in name:
             assert kernel["mma_sync"], kernel
     assert {kernel["target"] for kernel in compiled} == {"sm_80", "sm_90a"}
+    assert {kernel["variant"]["integers_aligned"] for kernel in compiled} == {True, False}

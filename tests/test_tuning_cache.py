@@ -3,7 +3,7 @@
 The cache logic runs on the CPU; the hook is driven the way Triton's Autotuner.run drives it when a tuning
 key is not yet in memory (check_disk_cache with the key, the candidates and the benchmark to run).
 """
-import conftest_kernels  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+import conftest_kernels  # noqa: F401  (interpreter or compiler settled before triton loads)
 
 import json
 
