@@ -26,6 +26,11 @@ KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/
 STACKS="-o faulthandler_timeout=120"
 TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_resume.py tests/test_dispatch.py
   tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py"
+# A step's GPU tests: compiled kernels, under a timeout that leaves the call room to return their log
+# ($OUT/NAME.log); prints each failure and the summary.
+gpu_tests() { local name=$1 limit=$2; shift 2
+  TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-$limit} python3 -m pytest -v --tb=short "$@" 2>&1 | tee $OUT/$name.log |
+    grep -E "FAILED|ERROR|passed|failed"; }
 bench() { python3 scripts/bench_train.py "$@" 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
           python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
 # A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end
@@ -49,11 +54,10 @@ export -f recall_curve
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
-    kernel_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -v --tb=short $STACKS $KERNEL_TESTS 2>&1 | tee $OUT/kernel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    kernel_tests) gpu_tests kernel_tests 480 $STACKS $KERNEL_TESTS ;;
     # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
-    offload_cuda_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short tests/test_offload.py -k cuda \
-        2>&1 | tee $OUT/offload_cuda_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
-    training_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short $STACKS $TRAINING_TESTS 2>&1 | tee $OUT/training_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    offload_cuda_tests) gpu_tests offload_cuda_tests 300 tests/test_offload.py -k cuda ;;
+    training_tests) gpu_tests training_tests 300 $STACKS $TRAINING_TESTS ;;
     # BENCH_ATTN_ARGS adds options (--profile, --rounds N, --clocks).
     bench_attn) python3 scripts/bench_attention.py --seqlens ${SEQLENS:-8192 32768 65536 131072} --peers cudnn ${BENCH_ATTN_ARGS:-} 2>&1 | tee $OUT/bench_attn.log | tail -24 ;;
     # Work per joule at 32k (one-second cells: NVML's energy counter is too coarse for shorter ones), then the
@@ -69,8 +73,8 @@ for step in "$@"; do
     fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
       AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
         grep -v "max diff 0 lse max diff 0 nan False" ;;
-    attn_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q --tb=short tests/test_flash_attention.py \
-        -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" 2>&1 | tee $OUT/attn_tests.log | tail -3 ;;
+    attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
+        -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
     train_64k) bench --seq-len 65536 --steps 3 ;;
     train_131k) bench --seq-len 131072 --steps 2 ;;
@@ -99,11 +103,10 @@ for step in "$@"; do
     profile_131k) bench --seq-len 131072 --steps 2 --profile ;;
     # The training tests that need a GPU, without the offload ones. A call of their own: one CUDA case of
     # test_resume did not finish within 200 s (2026-11-25).
-    step_tests) TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -v --tb=short tests/test_resume.py tests/test_step.py \
-        tests/test_lora_fusion.py tests/test_byte_model.py 2>&1 | tee $OUT/step_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    step_tests) gpu_tests step_tests 420 tests/test_resume.py tests/test_step.py tests/test_lora_fusion.py \
+        tests/test_byte_model.py ;;
     # cuDNN attention's GPU tests, the 524k one (its backward over head groups against flash attention) included.
-    cudnn_tests) TRITON_INTERPRET=0 LONGCTX_LONG_GPU_TESTS=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v --tb=short \
-        tests/test_cudnn_attention.py 2>&1 | tee $OUT/cudnn_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    cudnn_tests) LONGCTX_LONG_GPU_TESTS=1 gpu_tests cudnn_tests 300 tests/test_cudnn_attention.py ;;
     # Two GPUs: LoRA with FSDP2 (a bf16 base and fp32 adapters gathered together) against the same job
     # unsharded, two steps each; the losses side by side.
     lora_shard) for shard in false true; do

@@ -7,8 +7,9 @@ its PTX targets sm_80 with no Hopper instruction (TMA, wgmma: Triton rewrites th
 descriptors into pointer loads there), the attention products use mma.sync, and its shared memory fits an
 A100's 163 KiB per block (else the launch would fail with OutOfResources). Integer arguments are compiled
 as Triton specializes those of a launch at Llama's shapes (multiples of 16), and the attention kernels' also
-unaligned (an odd length): ptxas crashed on a Hopper backward only when its length was known aligned. Runs in a child process: this
-one runs Triton's interpreter, whose kernels cannot be compiled. About 20 s on 2 cores.
+unaligned (an odd length): ptxas crashed on a Hopper backward only when its length was known aligned. Runs
+in a child process: this one runs Triton's interpreter, whose kernels cannot be compiled. About 20 s on 2
+cores.
 """
 import json
 import os
