@@ -18,7 +18,9 @@ partitions (`gl.warp_specialize`):
   last to end, was 13% slower on 16 x 4k packed documents, 4% at 8k, the same from 32k);
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
-  are not in lockstep, so one group's softmax also overlaps the other's products.
+  take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
+  softmax runs while the tensor cores do the other's products (without turns, 0.5-1.4% slower at 8k, 32k
+  and 131k, the same within the spreads on 16 x 4k: docs/BENCHMARKS.md).
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
@@ -94,6 +96,20 @@ def _softmax_step(scores, start, masked, m_i, l_i, offs_m, row_doc_lo, row_doc_h
 
 
 @gluon.jit
+def _take_turn(turns, GROUP_INDEX: gl.constexpr, turns_taken):
+    """Wait until the other row group has issued its products of the step (group 0 goes first: a new
+    mbarrier counts as having completed phase 1)."""
+    mbarrier.wait(turns.index(GROUP_INDEX), (turns_taken & 1) ^ (1 - GROUP_INDEX))
+
+
+@gluon.jit
+def _pass_turn(turns, GROUP_INDEX: gl.constexpr, turns_taken):
+    """This group's products of the step are issued: the other group may issue its own."""
+    mbarrier.arrive(turns.index(1 - GROUP_INDEX), count=1)
+    return turns_taken + 1
+
+
+@gluon.jit
 def barrier_ring(NUM_STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
     """NUM_STAGES mbarriers, each completed by ARRIVALS arrivals (a TMA load's: 1, its expect)."""
     ring = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -129,7 +145,7 @@ def _load_partition(smem, bars, descs, schedule, stride_qh, stride_kh, GROUP: gl
     ring as soon as both row groups freed it. It runs ahead into the next item while the row groups finish
     the last one."""
     q_smem, k_smem, v_smem = smem
-    q_ready, q_free, k_ready, k_free, v_ready, v_free = bars
+    q_ready, q_free, k_ready, k_free, v_ready, v_free, _ = bars
     q_desc, k_desc, v_desc = descs
     n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
@@ -163,7 +179,7 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
     """One warp group, for each work item of this CTA: the block's rows [GROUP_INDEX * 64, +64) over every
     key tile, then their output and log-sum-exp."""
     q_smem, k_smem, v_smem = smem
-    q_ready, q_free, k_ready, k_free, v_ready, v_free = bars
+    q_ready, q_free, k_ready, k_free, v_ready, v_free, turns = bars
     n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -184,6 +200,7 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
 
     tiles_before = 0
     items_before = 0
+    turns_taken = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(item, schedule, BLOCK_M, BLOCK_N,
                                                                            CAUSAL, HAS_DOCS)
@@ -197,7 +214,9 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
         stage = tiles_before % NUM_STAGES
         mbarrier.wait(q_ready, items_before & 1)
         mbarrier.wait(k_ready.index(stage), (tiles_before // NUM_STAGES) & 1)
+        _take_turn(turns, GROUP_INDEX, turns_taken)
         scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        turns_taken = _pass_turn(turns, GROUP_INDEX, turns_taken)
         scores = warpgroup_mma_wait(0, deps=(scores, ))
         mbarrier.arrive(k_free.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_step(scores, lo, _is_masked(0, head_tiles, mid_end), m_i, l_i, offs_m,
@@ -211,10 +230,12 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
             # S(tile) and then O += P(tile-1) V(tile-1): wgmma groups complete in order, so waiting until one
             # is left outstanding waits for the scores only, and the softmax below overlaps the P.V product.
             mbarrier.wait(k_ready.index(stage), (count // NUM_STAGES) & 1)
+            _take_turn(turns, GROUP_INDEX, turns_taken)
             scores = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             mbarrier.wait(v_ready.index(prev), ((count - 1) // NUM_STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            turns_taken = _pass_turn(turns, GROUP_INDEX, turns_taken)
             scores = warpgroup_mma_wait(1, deps=(scores, ))
             mbarrier.arrive(k_free.index(stage), count=1)
             p, alpha, m_i, l_i = _softmax_step(scores, lo + tile * BLOCK_N, _is_masked(tile, head_tiles, mid_end),
@@ -228,7 +249,9 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
         mbarrier.arrive(q_free, count=1)
         last = tiles_before + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        _take_turn(turns, GROUP_INDEX, turns_taken)
         acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        turns_taken = _pass_turn(turns, GROUP_INDEX, turns_taken)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_free.index(last % NUM_STAGES), count=1)
 
@@ -282,7 +305,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     q_ready, q_free = barrier_ring(1, 1).index(0), barrier_ring(1, 2).index(0)
     k_ready, k_free = barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 2)
     v_ready, v_free = barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 2)
-    bars = (q_ready, q_free, k_ready, k_free, v_ready, v_free)
+    bars = (q_ready, q_free, k_ready, k_free, v_ready, v_free, barrier_ring(2, 1))
     smem = (q_smem, k_smem, v_smem)
     n_blocks = gl.cdiv(seqlen, BLOCK_M)
     schedule = (batch_rows * n_blocks * q_heads, n_blocks, q_heads, seqlen, DOC_START, DOC_END)

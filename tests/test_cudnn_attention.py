@@ -23,7 +23,7 @@ def restore_backend():
 
 def _rel_err(actual, expected):
     assert not torch.isnan(actual).any()
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+    return float((actual.detach().double() - expected.detach().double()).norm() / expected.detach().double().norm())
 
 
 def _inputs(seqlen, q_heads=32, kv_heads=8, head_dim=128, seed=0):
