@@ -55,6 +55,9 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
     kernel_tests) gpu_tests kernel_tests 480 $STACKS $KERNEL_TESTS ;;
+    # Every other test file (the CPU tests, torchrun jobs, the sm_80 compile) on the GPU machine: CUDA present,
+    # the compiler instead of the interpreter.
+    rest_tests) gpu_tests rest_tests 540 $STACKS $(ls tests/test_*.py | grep -vxF -f <(printf '%s\n' $KERNEL_TESTS $TRAINING_TESTS)) ;;
     # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
     offload_cuda_tests) gpu_tests offload_cuda_tests 300 tests/test_offload.py -k cuda ;;
     training_tests) gpu_tests training_tests 300 $STACKS $TRAINING_TESTS ;;

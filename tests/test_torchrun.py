@@ -85,7 +85,21 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
                                 / "model.safetensors") for name in ("two", "one")}
     assert exported["two"].keys() == exported["one"].keys() and exported["one"]
     for name, weight in exported["one"].items():
-        torch.testing.assert_close(exported["two"][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+        _assert_same_training(exported["two"][name], weight, name)
+
+
+def _assert_same_training(two: torch.Tensor, one: torch.Tensor, name: str) -> None:
+    """The same weights up to rounding, as a whole: AdamW moves an element by about the learning rate (1e-3
+    here) whatever its gradient's size, so the rounding of a near-zero gradient can move single elements
+    apart (1.4e-5, one of 49,152, on torch 2.11). Shards gathered wrongly or an update lost would be apart by
+    a weight's or an update's size (1e-2, 1e-3): the tensor by a hundredth or more."""
+    two, one = two.double(), one.double()
+    apart = (two - one).abs()
+    far = ~torch.isclose(two, one, rtol=1e-4, atol=1e-5)
+    relative = float(apart.norm() / one.norm())
+    assert not two.isnan().any() and relative <= 1e-4 and float(apart.max()) <= 1e-4, (
+        f"{name}: |two - one| / |one| = {relative:.2e}, largest {float(apart.max()):.2e}; {int(far.sum())} of "
+        f"{far.numel()} elements apart: two {two[far][:8].tolist()}, one {one[far][:8].tolist()}")
 
 
 def _rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Process:
