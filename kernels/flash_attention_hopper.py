@@ -19,8 +19,8 @@ partitions (`gl.warp_specialize`):
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
-  softmax runs while the tensor cores do the other's products (without turns, 0.5-1.4% slower at 8k, 32k
-  and 131k, the same within the spreads on 16 x 4k: docs/BENCHMARKS.md).
+  softmax runs while the tensor cores do the other's products (without turns, 1.6% slower at 131k; at 8k,
+  32k and 16 x 4k within the spreads: docs/BENCHMARKS.md).
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.

@@ -23,7 +23,8 @@ def restore_backend():
 
 def _rel_err(actual, expected):
     assert not torch.isnan(actual).any()
-    return float((actual.detach().double() - expected.detach().double()).norm() / expected.detach().double().norm())
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm())
 
 
 def _inputs(seqlen, q_heads=32, kv_heads=8, head_dim=128, seed=0):
@@ -169,7 +170,7 @@ def _rel_err_by_head(actual, expected):
     """_rel_err one head at a time: fp64 copies of a whole 524k tensor would take 16 GiB each."""
     difference = reference_norm = 0.0
     for head in range(actual.shape[2]):
-        a, e = actual[:, :, head].double(), expected[:, :, head].double()
+        a, e = actual[:, :, head].detach().double(), expected[:, :, head].detach().double()
         assert not torch.isnan(a).any()
         difference += float((a - e).square().sum())
         reference_norm += float(e.square().sum())

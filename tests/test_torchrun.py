@@ -89,17 +89,19 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
 
 
 def _assert_same_training(two: torch.Tensor, one: torch.Tensor, name: str) -> None:
-    """The same weights up to rounding, as a whole: AdamW moves an element by about the learning rate (1e-3
-    here) whatever its gradient's size, so the rounding of a near-zero gradient can move single elements
-    apart (1.4e-5, one of 49,152, on torch 2.11). Shards gathered wrongly or an update lost would be apart by
-    a weight's or an update's size (1e-2, 1e-3): the tensor by a hundredth or more."""
+    """The same weights up to rounding, judged on the whole tensor: AdamW moves an element by a step of about
+    the learning rate whatever its gradient's size, so the rounding of a small gradient (two ranks' sums
+    against one process's) can move single elements apart. On torch 2.11 one element of 49,152 was 1.4e-5
+    apart, 3e-6 of the tensor's norm; the bounds leave a margin of that measurement, not a derived one.
+    Shards gathered wrongly are apart by the weights' size, an update lost by 1e-2 of the tensor in full
+    fine-tuning and about 1e-3 with LoRA: both far past 1e-4."""
+    assert two.shape == one.shape and two.dtype == one.dtype, (name, two.shape, one.shape, two.dtype, one.dtype)
     two, one = two.double(), one.double()
-    apart = (two - one).abs()
+    relative = float((two - one).norm() / one.norm())
     far = ~torch.isclose(two, one, rtol=1e-4, atol=1e-5)
-    relative = float(apart.norm() / one.norm())
-    assert not two.isnan().any() and relative <= 1e-4 and float(apart.max()) <= 1e-4, (
-        f"{name}: |two - one| / |one| = {relative:.2e}, largest {float(apart.max()):.2e}; {int(far.sum())} of "
-        f"{far.numel()} elements apart: two {two[far][:8].tolist()}, one {one[far][:8].tolist()}")
+    assert not two.isnan().any() and relative <= 1e-4 and int(far.sum()) <= far.numel() // 1000, (
+        f"{name}: |two - one| / |one| = {relative:.2e}; {int(far.sum())} of {far.numel()} elements apart: two "
+        f"{two[far][:8].tolist()}, one {one[far][:8].tolist()}")
 
 
 def _rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Process:
