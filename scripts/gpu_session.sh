@@ -26,9 +26,9 @@ KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/
 STACKS="-o faulthandler_timeout=120"
 TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_resume.py tests/test_dispatch.py
   tests/test_step.py tests/test_lora_fusion.py tests/test_byte_model.py"
-# The test files in neither set above; of them, the ones that start processes (torchrun jobs, compiles).
-other_test_files() { ls tests/test_*.py | grep -vxF -f <(printf '%s\n' $KERNEL_TESTS $TRAINING_TESTS); }
+# The files that start processes (torchrun jobs, compiles), and every test file in none of the sets above.
 PROCESS_TESTS="tests/test_torchrun.py tests/test_sm80_compile.py"
+rest_test_files() { ls tests/test_*.py | grep -vxF -f <(printf '%s\n' $KERNEL_TESTS $TRAINING_TESTS $PROCESS_TESTS); }
 # A step's GPU tests: compiled kernels, under a timeout that leaves the call room to return their log
 # ($OUT/NAME.log); prints each failure and the summary.
 gpu_tests() { local name=$1 limit=$2; shift 2
@@ -60,7 +60,7 @@ for step in "$@"; do
     kernel_tests) gpu_tests kernel_tests 480 $STACKS $KERNEL_TESTS ;;
     # Every other test file on the GPU machine (CUDA present, the compiler instead of the interpreter), in two
     # steps: together they took 508 s (2026-11-26), too close to a call's limit.
-    rest_tests) gpu_tests rest_tests 480 $STACKS $(other_test_files | grep -vxF -f <(printf '%s\n' $PROCESS_TESTS)) ;;
+    rest_tests) gpu_tests rest_tests 480 $STACKS $(rest_test_files) ;;
     process_tests) gpu_tests process_tests 480 $STACKS $PROCESS_TESTS ;;
     # The memory engine's CUDA cases (layouts against plain autograd, copy order, a full top layer's peak).
     offload_cuda_tests) gpu_tests offload_cuda_tests 300 tests/test_offload.py -k cuda ;;

@@ -36,6 +36,9 @@ import pytest  # noqa: E402
 # cover the kernels there.
 needs_interpreter = pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1",
                                        reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
+# A test of the compiled kernels on CUDA tensors.
+needs_compiled_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] == "1",
+                                        reason="needs a CUDA GPU and compiled (not interpreted) Triton")
 
 
 @pytest.fixture

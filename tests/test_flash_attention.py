@@ -6,13 +6,10 @@ reference. Triton picks interpreter or compiler once per process, when it is imp
 picks the compiler on a CUDA machine unless TRITON_INTERPRET=1 is set, so there the GPU tests run and the
 CPU tests skip.
 """
+import conftest_kernels  # first: interpreter or compiler settled before triton loads
+
 import math
 import os
-
-COMPILED = os.environ.get("TRITON_INTERPRET") == "0"
-if not COMPILED:
-    import conftest_kernels  # noqa: F401  (interpreter or compiler settled before triton loads)
-
 import subprocess
 import sys
 import threading
@@ -25,7 +22,7 @@ from kernels.attention_tape import AttentionTape
 from kernels.flash_attention import flash_attention
 
 CUDA = torch.cuda.is_available()
-interpreted = pytest.mark.skipif(COMPILED, reason="interpreter tests; this process compiles the kernels")
+interpreted = conftest_kernels.needs_interpreter
 # fp32 through the interpreter is exact up to summation order; fp16 operands round to 11 bits.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
 
@@ -350,7 +347,7 @@ def test_runs_after_kernels_and_model_were_imported():
 # GPU: compiled kernels, bf16, against the fp32 reference and against the same math done by PyTorch in bf16
 # ------------------------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not (CUDA and COMPILED), reason="needs a CUDA GPU and TRITON_INTERPRET=0")
+gpu = conftest_kernels.needs_compiled_gpu
 
 
 def _torch_attention_in_dtype(q, k, v, causal, cu_seqlens=None):

@@ -1,18 +1,15 @@
 """Issue-3 kernels at real shapes in bf16 on a CUDA GPU, against the fp32 reference.
 
 Skipped without CUDA, and under TRITON_INTERPRET=1 (tests/conftest.py sets it on a machine without a GPU,
-and compiles on one with a GPU unless told). Kernel modules are imported inside the tests so that collecting
-this file never decides interpreter-or-compiler for the CPU suites.
+and compiles on one with a GPU unless told).
 """
-import os
-
+import conftest_kernels
 import pytest
 import torch
 
 from kernels import reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="needs a CUDA GPU and compiled (not interpreted) Triton")
+pytestmark = conftest_kernels.needs_compiled_gpu
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,12 +1,11 @@
 """Triton RoPE and SwiGLU at Llama-3 8B's shapes in bf16 on a CUDA GPU, against the fp32 reference.
 
 Skipped without CUDA, and under TRITON_INTERPRET=1 (tests/conftest.py sets it on a machine without a GPU,
-and compiles on one with a GPU unless told). Kernel modules are imported inside the tests so that collecting
-this file never decides interpreter-or-compiler for the CPU suites.
+and compiles on one with a GPU unless told).
 """
-import os
 from types import SimpleNamespace
 
+import conftest_kernels
 import pytest
 import torch
 
@@ -14,8 +13,7 @@ from kernels import reference
 from model import LlamaConfig
 from model.llama import LlamaModel, positions_from_documents
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="needs a CUDA GPU and compiled (not interpreted) Triton")
+pytestmark = conftest_kernels.needs_compiled_gpu
 
 TOKENS = 32768
 
