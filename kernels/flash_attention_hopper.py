@@ -49,6 +49,11 @@ MAX_REGISTERS = 168
 ROWS_REGISTERS = gl.constexpr(240)
 LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
+# Query blocks a row from which work items go KV head by KV head (_work_item): 32k tokens, where it was
+# measured to matter. Rows of documents never do: each document's own causal triangle upsets the order's
+# balance (16 documents of 4k tokens ran 20% slower in it).
+KV_MAJOR_BLOCKS = 256
+NEVER = 2 ** 31 - 1
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -119,23 +124,66 @@ def barrier_ring(NUM_STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, schedule, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               HAS_DOCS: gl.constexpr):
+def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     """The item-th (query head, first query row, batch row) and its key tiles: the first one's start, where
     the masked head run ends and the masked tail run begins, and their count (at least one: every query row
-    sees a key, itself when causal, its non-empty document). Items go heads fastest, then a causal row's
-    latest blocks, which do the most work, first, then batch rows; CTA c takes items c, c + num_programs,
-    ..., so every round of items is about as heavy across the CTAs and the heaviest come first (block order
-    within each head in turn left the GPU 5% idle at the end at 8k tokens in a list-scheduling model)."""
-    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
-    head = item % q_heads
-    rest = item // q_heads
-    m_start = (n_blocks - 1 - rest % n_blocks) * BLOCK_M
+    sees a key, itself when causal, its non-empty document). The CTAs take a round of items at a time
+    (`_round_item`).
+    - Below `kv_major_blocks` query blocks a row, and in rows of documents, items go heads fastest, then a
+      causal row's latest blocks, which do the most work, first, then batch rows: every round is about as
+      heavy across the CTAs (block order within each head in turn left the GPU 5% idle at the end at 8k
+      tokens in a list-scheduling model).
+    - From there, the query heads of one KV head fastest, then blocks, then KV heads, then batch rows, so that
+      a round reads the keys and values of one or two KV heads instead of all 8 (Llama-3 8B), which all its
+      CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: at 131k the
+      forward ran 6% faster with one KV head than with 8, and this order with mirrored rounds ran 4-5%
+      faster at 32k and 131k than heads fastest (docs/BENCHMARKS.md). The runs of blocks alternate their
+      direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: the
+      most loaded of 132 CTAs is within 0.2% of their mean from 4k to 131k tokens, batch 1 or 2 (114 CTAs:
+      2%, from 32k 0.1%; docs/experiments/work_item_order.py)."""
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, kv_major_blocks = schedule
+    if n_blocks >= kv_major_blocks:
+        kv_heads = q_heads // GROUP
+        rest = item // GROUP
+        run = rest // n_blocks                # (batch row, KV head)
+        head = run % kv_heads * GROUP + item % GROUP
+        block = rest % n_blocks
+        if (n_items // (GROUP * n_blocks) - 1 - run) % 2 == 1:
+            block = n_blocks - 1 - block
+        batch = run // kv_heads
+    else:
+        head = item % q_heads
+        rest = item // q_heads
+        block = rest % n_blocks
+        batch = rest // n_blocks
+    m_start = (n_blocks - 1 - block) * BLOCK_M
     lo, full_lo, full_hi, hi = _partner_range(DOC_START, DOC_END, m_start, seqlen, BLOCK_M, CAUSAL, HAS_DOCS,
                                               KEYS=True)
     head_tiles, mid_tiles, tail_tiles = _tile_runs(lo, full_lo, full_hi, hi, BLOCK_N)
     n_tiles = head_tiles + mid_tiles + tail_tiles
-    return head, m_start, rest // n_blocks, lo, head_tiles, head_tiles + mid_tiles, n_tiles
+    return head, m_start, batch, lo, head_tiles, head_tiles + mid_tiles, n_tiles
+
+
+@gluon.jit
+def _items_of_this_cta(n_items):
+    """How many work items this CTA takes: one a round of `num_programs` items, its position in the round
+    mirrored every other round (`_round_item`)."""
+    ctas = gl.num_programs(0)
+    full_rounds = n_items // ctas
+    last_position = gl.program_id(0) + full_rounds % 2 * (ctas - 1 - 2 * gl.program_id(0))
+    return full_rounds + (last_position < n_items % ctas).to(gl.int32)
+
+
+@gluon.jit
+def _round_item(index):
+    """The item this CTA takes in its index-th round: CTA c takes the round's c-th item, then, in the next round, the
+    c-th from the end. A CTA given a heavier item than another in one round gets the lighter in the next, so
+    the CTAs end each pair of rounds together instead of drifting apart round after round; in step, the CTAs
+    of one KV head read each key tile at about the same time, once from HBM and then from L2 (with work items
+    KV head by KV head: at 131k tokens 5% faster than CTA c taking items c, c + num_programs, ...)."""
+    ctas = gl.num_programs(0)
+    return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 
 
 @gluon.jit
@@ -147,15 +195,15 @@ def _load_partition(smem, bars, descs, schedule, stride_qh, stride_kh, GROUP: gl
     q_smem, k_smem, v_smem = smem
     q_ready, q_free, k_ready, k_free, v_ready, v_free, _ = bars
     q_desc, k_desc, v_desc = descs
-    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, _ = schedule
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     tiles_before = 0
     items_before = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(item, schedule, BLOCK_M, BLOCK_N,
-                                                                           CAUSAL, HAS_DOCS)
+    for index in range(_items_of_this_cta(n_items)):
+        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(_round_item(index), schedule, GROUP,
+                                                                           BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS)
         row0 = batch * seqlen       # the batch row's first row in the [B * S, columns] views
         mbarrier.wait(q_free, (items_before & 1) ^ 1)     # a new mbarrier counts as having completed phase 1
         _load_tile(q_desc, (row0 + m_start).to(gl.int32), head * stride_qh, q_ready, q_smem)
@@ -175,12 +223,12 @@ def _load_partition(smem, bars, descs, schedule, stride_qh, stride_kh, GROUP: gl
 
 @gluon.jit
 def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2,
-                    GROUP_INDEX: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+                    GROUP_INDEX: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     """One warp group, for each work item of this CTA: the block's rows [GROUP_INDEX * 64, +64) over every
     key tile, then their output and log-sum-exp."""
     q_smem, k_smem, v_smem = smem
     q_ready, q_free, k_ready, k_free, v_ready, v_free, turns = bars
-    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END = schedule
+    n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, _ = schedule
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -201,9 +249,9 @@ def _rows_partition(smem, bars, schedule, OUT, LSE, stride_ob, stride_os, stride
     tiles_before = 0
     items_before = 0
     turns_taken = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(item, schedule, BLOCK_M, BLOCK_N,
-                                                                           CAUSAL, HAS_DOCS)
+    for index in range(_items_of_this_cta(n_items)):
+        head, m_start, batch, lo, head_tiles, mid_end, n_tiles = _work_item(_round_item(index), schedule, GROUP,
+                                                                           BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS)
         offs_m = m_start + GROUP_INDEX * ROWS + gl.arange(0, ROWS, layout=row_s)
         row_doc_lo, row_doc_hi = _token_documents(DOC_START, DOC_END, offs_m, offs_m < seqlen, HAS_DOCS)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
@@ -283,7 +331,7 @@ def _rows_view(base, rows, row_stride, heads, head_stride, BLOCK: gl.constexpr, 
 @gluon.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
                      stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                     batch_rows, seqlen, q_heads, kv_heads, qk_scale_log2,
+                     batch_rows, seqlen, q_heads, kv_heads, qk_scale_log2, kv_major_blocks,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
     """Persistent: each CTA takes the work items (query head, block of 128 query rows, batch row) program_id,
@@ -308,12 +356,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
     bars = (q_ready, q_free, k_ready, k_free, v_ready, v_free, barrier_ring(2, 1))
     smem = (q_smem, k_smem, v_smem)
     n_blocks = gl.cdiv(seqlen, BLOCK_M)
-    schedule = (batch_rows * n_blocks * q_heads, n_blocks, q_heads, seqlen, DOC_START, DOC_END)
+    schedule = (batch_rows * n_blocks * q_heads, n_blocks, q_heads, seqlen, DOC_START, DOC_END, kv_major_blocks)
     gl.warp_specialize([
-        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 0, CAUSAL,
-                           HAS_DOCS)),
-        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 1, CAUSAL,
-                           HAS_DOCS)),
+        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 0, GROUP,
+                           CAUSAL, HAS_DOCS)),
+        (_rows_partition, (smem, bars, schedule, O, LSE, stride_ob, stride_os, stride_oh, qk_scale_log2, 1, GROUP,
+                           CAUSAL, HAS_DOCS)),
         (_load_partition, (smem, bars, descs, schedule, stride_qh, stride_kh, GROUP, CAUSAL, HAS_DOCS)),
     ], [4, 1], [ROWS_REGISTERS, LOAD_REGISTERS])
 
@@ -337,9 +385,10 @@ def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: 
 def _launch(q, k, v, out, lse, doc_start, doc_end, causal: bool, qk_scale_log2: float) -> None:
     batch, seqlen, q_heads, head_dim = q.shape
     items = batch * q_heads * triton.cdiv(seqlen, 2 * GROUP_ROWS.value)
+    kv_major_blocks = KV_MAJOR_BLOCKS if doc_start is None else NEVER
     _attn_fwd_kernel[(min(items, _multiprocessors(q.device)), )](
         q, k, v, out, lse, doc_start, doc_end, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
-        v.stride(2), *out.stride()[:3], batch, seqlen, q_heads, k.shape[2], qk_scale_log2,
+        v.stride(2), *out.stride()[:3], batch, seqlen, q_heads, k.shape[2], qk_scale_log2, kv_major_blocks,
         GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
         HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
 

@@ -574,6 +574,37 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
 
 
 @gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the Gluon forward is Hopper's")
+@pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
+@pytest.mark.parametrize("batch,seqlen,q_heads,kv_heads,head_dim,causal", [
+    (2, 3000, 16, 4, 128, True),     # rounds across KV heads and batch rows, a tail block
+    (1, 5000, 8, 2, 128, True),      # an odd number of runs of blocks
+    (2, 1500, 8, 1, 64, False),      # one KV head: runs of blocks of each batch row
+])
+def test_gpu_hopper_forward_gives_the_same_bits_in_either_order_of_work_items(monkeypatch, batch, seqlen, q_heads,
+                                                                              kv_heads, head_dim, causal):
+    """Work items KV head by KV head (runs of blocks in alternating directions), as long rows take them, or
+    heads fastest: each item is computed alone, so the outputs and statistics are the same bits, and none is
+    NaN although the memory they are written to held NaN (an item left out would leave it there)."""
+    import kernels.flash_attention as flash
+    from kernels import flash_attention_hopper
+    torch.manual_seed(seqlen)
+    q, k, v = (t.detach() for t in _inputs(batch, seqlen, q_heads, kv_heads, head_dim, torch.bfloat16, "cuda"))
+    flash.ensure_allocator(q.device)
+    results = []
+    for kv_major_blocks in (0, 2 ** 30):     # KV head by KV head at every length; at none
+        monkeypatch.setattr(flash_attention_hopper, "KV_MAJOR_BLOCKS", kv_major_blocks)
+        # Freed to the caching allocator, which hands the same blocks to the outputs allocated next.
+        poison = [torch.full_like(q, float("nan")), torch.full((batch, q_heads, seqlen), float("nan"), device="cuda")]
+        del poison
+        results.append(flash_attention_hopper.attention_forward(q, k, v, None, None, causal,
+                                                                head_dim ** -0.5 * flash.LOG2E))
+    (out, lse), (heads_first_out, heads_first_lse) = results
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out, heads_first_out) and torch.equal(lse, heads_first_lse)
+
+
+@gpu
 @pytest.mark.skipif(os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80", reason="this process runs the A100 code")
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability()[0] < 9, reason="the default path is the A100's")
 def test_gpu_a100_code_path_on_this_gpu():

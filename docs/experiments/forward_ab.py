@@ -1,13 +1,15 @@
-"""kernels/flash_attention_hopper.py's forward against another version of that file, on a Hopper GPU: the
+"""kernels/flash_attention_hopper.py's forward against other versions of that file, on a Hopper GPU: the
 largest difference of their outputs and statistics on odd shapes and layouts (D = 64, one token, non-causal,
-packed documents, batch rows apart, heads 256 apart), then both timed in turn over 7 rounds at 8k, 32k,
+packed documents, batch rows apart, heads 256 apart), then all timed in turn over 7 rounds at 8k, 32k,
 packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of 128, causal, bf16).
 
-    python3 docs/experiments/forward_ab.py [OTHER_VERSION.py]     # default: the file at git HEAD
+    python3 docs/experiments/forward_ab.py [OTHER_VERSION.py ...]   # default: the file at git HEAD ("old")
     AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py        # cells of a second: the power limit's pace
+    AB_METER=1 ...                                                # and each one's clock, power, TFLOP/J
 
 Measured on 2026-11-25 (docs/BENCHMARKS.md): the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
 work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`)."""
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -19,15 +21,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import flash_attention as fa, flash_attention_hopper as new  # noqa: E402
+from scripts import gpu_clocks  # noqa: E402
 from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
 
-folder = tempfile.mkdtemp()
-path = Path(folder) / "fwd_old.py"
-path.write_text(subprocess.run(["git", "show", "HEAD:kernels/flash_attention_hopper.py"], capture_output=True, text=True,
-                               check=True).stdout if len(sys.argv) < 2 else Path(sys.argv[1]).read_text())
-spec = importlib.util.spec_from_file_location("fwd_old", path)
-old = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(old)
+
+def load(name: str, source: str):
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+others = ({Path(file).stem: load(Path(file).stem, Path(file).read_text()) for file in sys.argv[1:]} or
+          {"old": load("old", subprocess.run(["git", "show", "HEAD:kernels/flash_attention_hopper.py"],
+                                             capture_output=True, text=True, check=True).stdout)})
 fa.ensure_allocator(torch.device("cuda"))
 g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -40,11 +49,12 @@ def docs(total, cuts):
 
 def check(label, q, k, v, bounds=(None, None), causal=True):
     scale = q.shape[-1] ** -0.5 * fa.LOG2E
-    o1, l1 = old.attention_forward(q, k, v, *bounds, causal, scale)
     o2, l2 = new.attention_forward(q, k, v, *bounds, causal, scale)
-    torch.cuda.synchronize()
-    print(f"{label:40s} out max diff {(o1.float() - o2.float()).abs().max().item():.3g} lse max diff "
-          f"{(l1 - l2).abs().max().item():.3g} nan {bool(o2.isnan().any() or l2.isnan().any())}", flush=True)
+    for name, other in others.items():
+        o1, l1 = other.attention_forward(q, k, v, *bounds, causal, scale)
+        torch.cuda.synchronize()
+        print(f"{label:32s} {name:7s} out max diff {(o1.float() - o2.float()).abs().max().item():.3g} lse max diff "
+              f"{(l1 - l2).abs().max().item():.3g} nan {bool(o2.isnan().any() or l2.isnan().any())}", flush=True)
 
 check("B1 S1 2/1 D128", rnd(1, 1, 2, 128), rnd(1, 1, 1, 128), rnd(1, 1, 1, 128))
 check("B2 S777 4/1 D64", rnd(2, 777, 4, 64), rnd(2, 777, 1, 64), rnd(2, 777, 1, 64))
@@ -65,12 +75,15 @@ def flops(lengths, rows=1):
 CELL_MS = float(os.environ.get("AB_CELL_MS", 100))
 cases = {"8k": (1, [8192]), "32k": (1, [32768]), "packed-16x4k": (1, [4096] * 16), "batch-16x4k": (16, [4096]),
          "131k": (1, [131072])}
-for label, (rows, lengths) in cases.items():
-    total = sum(lengths)
-    q, k, v = rnd(rows, total, 32, 128), rnd(rows, total, 8, 128), rnd(rows, total, 8, 128)
-    bounds = docs(total, torch.tensor(lengths).cumsum(0)[:-1].tolist()) if len(lengths) > 1 else (None, None)
-    check(label, q, k, v, bounds)
-    reps = max(1, int(CELL_MS / (flops(lengths, rows) / 5e11)))   # about CELL_MS a timing
-    time_in_turn(label, {name: (lambda module=module: module.attention_forward(q, k, v, *bounds, True, 0.1))
-                         for name, module in (("old", old), ("new", new))}, flops(lengths, rows), 7, reps)
-    del q, k, v
+sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if os.environ.get("AB_METER") else None
+with sampler or contextlib.nullcontext():
+    for label, (rows, lengths) in cases.items():
+        total = sum(lengths)
+        q, k, v = rnd(rows, total, 32, 128), rnd(rows, total, 8, 128), rnd(rows, total, 8, 128)
+        bounds = docs(total, torch.tensor(lengths).cumsum(0)[:-1].tolist()) if len(lengths) > 1 else (None, None)
+        check(label, q, k, v, bounds)
+        reps = max(1, int(CELL_MS / (flops(lengths, rows) / 5e11)))   # about CELL_MS a timing
+        time_in_turn(label, {name: (lambda module=module: module.attention_forward(q, k, v, *bounds, True, 0.1))
+                             for name, module in (*others.items(), ("new", new))}, flops(lengths, rows), 7, reps,
+                     sampler)
+        del q, k, v
