@@ -4,7 +4,7 @@ Measured on the H100 (docs/BENCHMARKS.md), cuDNN's backward is faster than kerne
 two-kernel one (after the same Gluon forward, forward+backward 551-564 TFLOP/s against 439-455 from 32k to
 131k tokens), so `kernels=auto` uses it there
 for rows without packed documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
-(kernels/flash_attention_hopper.py: ahead of cuDNN's own from 32k tokens up, even with it at 8k) wherever
+(kernels/flash_attention_hopper.py: ahead of cuDNN's own from 8k to 131k tokens) wherever
 it runs, with its log-sum-exp turned into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward
 otherwise. Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
 [B, S, Hkv, D], GQA without repeating K/V) and the same attention-tape protocol as flash_attention: the

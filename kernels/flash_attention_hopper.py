@@ -53,7 +53,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # measured to matter. Rows of documents never do: each document's own causal triangle upsets the order's
 # balance (16 documents of 4k tokens ran 20% slower in it).
 KV_MAJOR_BLOCKS = 256
-NEVER = 2 ** 31 - 1
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -139,11 +138,11 @@ def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
       CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: at 131k the
       forward ran 6% faster with one KV head than with 8, and this order with mirrored rounds ran 4-5%
       faster at 32k and 131k than heads fastest (docs/BENCHMARKS.md). The runs of blocks alternate their
-      direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: the
-      most loaded of 132 CTAs is within 0.2% of their mean from 4k to 131k tokens, batch 1 or 2 (114 CTAs:
-      2%, from 32k 0.1%; docs/experiments/work_item_order.py)."""
+      direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: with
+      the mirrored rounds, the most loaded of 132 CTAs is within 0.1% of their mean from 32k tokens, batch 1
+      or 2 (114 CTAs: 1.1%; docs/experiments/work_item_order.py)."""
     n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, kv_major_blocks = schedule
-    if n_blocks >= kv_major_blocks:
+    if not HAS_DOCS and n_blocks >= kv_major_blocks:
         kv_heads = q_heads // GROUP
         rest = item // GROUP
         run = rest // n_blocks                # (batch row, KV head)
@@ -177,11 +176,12 @@ def _items_of_this_cta(n_items):
 
 @gluon.jit
 def _round_item(index):
-    """The item this CTA takes in its index-th round: CTA c takes the round's c-th item, then, in the next round, the
-    c-th from the end. A CTA given a heavier item than another in one round gets the lighter in the next, so
+    """The item this CTA takes in its index-th round: CTA c takes the round's c-th item, then, in the next
+    round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in the next, so
     the CTAs end each pair of rounds together instead of drifting apart round after round; in step, the CTAs
     of one KV head read each key tile at about the same time, once from HBM and then from L2 (with work items
-    KV head by KV head: at 131k tokens 5% faster than CTA c taking items c, c + num_programs, ...)."""
+    KV head by KV head, the 131k forward ran 4% faster so than with CTA c taking items c, c + num_programs,
+    ...; docs/BENCHMARKS.md)."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 
@@ -334,8 +334,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
                      batch_rows, seqlen, q_heads, kv_heads, qk_scale_log2, kv_major_blocks,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
-    """Persistent: each CTA takes the work items (query head, block of 128 query rows, batch row) program_id,
-    + num_programs, ...; its load warp brings the next item's Q and first key tiles while the row groups
+    """Persistent: each CTA takes one work item (query head, block of 128 query rows, batch row) a round
+    (`_round_item`); its load warp brings the next item's Q and first key tiles while the row groups
     finish the last one's, which hides the start and end of an item (at 16 x 4k packed documents a CTA of
     one item each spent about 4 key tiles' time outside its tiles: a fit of 8k, 32k and packed timings)."""
     BLOCK_M: gl.constexpr = 2 * GROUP_ROWS
@@ -385,10 +385,9 @@ def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: 
 def _launch(q, k, v, out, lse, doc_start, doc_end, causal: bool, qk_scale_log2: float) -> None:
     batch, seqlen, q_heads, head_dim = q.shape
     items = batch * q_heads * triton.cdiv(seqlen, 2 * GROUP_ROWS.value)
-    kv_major_blocks = KV_MAJOR_BLOCKS if doc_start is None else NEVER
     _attn_fwd_kernel[(min(items, _multiprocessors(q.device)), )](
         q, k, v, out, lse, doc_start, doc_end, q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1),
-        v.stride(2), *out.stride()[:3], batch, seqlen, q_heads, k.shape[2], qk_scale_log2, kv_major_blocks,
+        v.stride(2), *out.stride()[:3], batch, seqlen, q_heads, k.shape[2], qk_scale_log2, KV_MAJOR_BLOCKS,
         GROUP=q_heads // k.shape[2], HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
         HAS_DOCS=doc_start is not None, num_warps=4, maxnreg=MAX_REGISTERS)
 

@@ -370,7 +370,13 @@ def _torch_attention_in_dtype(q, k, v, causal, cu_seqlens=None):
     return out.transpose(1, 2).reshape(batch, seqlen, q_heads, head_dim)
 
 
-def _check_bf16_against_torch(batch, seqlen, q_heads, kv_heads, cu_seqlens=None):
+# ‖out - ref‖/‖ref‖ that flash_attention's bf16 output and gradients must stay within: the errors first
+# measured on the H100 (2026-11-22, docs/BENCHMARKS.md; the same to 3 digits on 2026-11-26), plus 5%.
+WHOLE_ROWS_ERRORS = {"out": 2.2e-3, "dq": 2.6e-3, "dk": 2.6e-3, "dv": 2.5e-3}
+PACKED_ERRORS = {"out": 1.7e-3, "dq": 3.0e-3, "dk": 3.0e-3, "dv": 2.3e-3}
+
+
+def _check_bf16_against_torch(batch, seqlen, q_heads, kv_heads, bounds, cu_seqlens=None):
     torch.manual_seed(seqlen)
     q, k, v = _inputs(batch, seqlen, q_heads, kv_heads, 128, torch.bfloat16, "cuda")
     out = flash_attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
@@ -385,19 +391,19 @@ def _check_bf16_against_torch(batch, seqlen, q_heads, kv_heads, cu_seqlens=None)
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, torch_bf16, exact):
         ours_err, torch_err = _rel_err(a, r), _rel_err(b, r)
         print(f"S={seqlen} {name}: flash_attention {ours_err:.2e}, torch bf16 {torch_err:.2e}")
-        assert ours_err <= 2 * torch_err, (name, ours_err, torch_err)
+        assert ours_err <= 2 * torch_err and ours_err <= bounds[name], (name, ours_err, torch_err, bounds[name])
 
 
 @gpu
 @pytest.mark.parametrize("seqlen,q_heads,kv_heads", [(4096, 32, 8), (16384, 4, 1)])
 def test_gpu_bf16_error_within_twice_torch_bf16(seqlen, q_heads, kv_heads):
-    _check_bf16_against_torch(1, seqlen, q_heads, kv_heads)
+    _check_bf16_against_torch(1, seqlen, q_heads, kv_heads, WHOLE_ROWS_ERRORS)
 
 
 @gpu
 def test_gpu_packed_documents_bf16():
     cu_seqlens = _random_cu_seqlens(2 * 4096, torch.Generator().manual_seed(1)).cuda()
-    _check_bf16_against_torch(2, 4096, 8, 2, cu_seqlens)
+    _check_bf16_against_torch(2, 4096, 8, 2, PACKED_ERRORS, cu_seqlens)
 
 
 @gpu

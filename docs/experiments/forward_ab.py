@@ -7,8 +7,9 @@ packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of
     AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py        # cells of a second: the power limit's pace
     AB_METER=1 ...                                                # and each one's clock, power, TFLOP/J
 
-Measured on 2026-11-25 (docs/BENCHMARKS.md): the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
-work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`)."""
+Measured (docs/BENCHMARKS.md): on 2026-11-25 the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
+work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`); on 2026-11-26
+four orders of work items at once. Versions are named by their files' names, which must differ."""
 import contextlib
 import importlib.util
 import os
@@ -34,6 +35,8 @@ def load(name: str, source: str):
     return module
 
 
+if len({Path(file).stem for file in sys.argv[1:]}) < len(sys.argv[1:]):
+    sys.exit(f"two versions by one name in {sys.argv[1:]}: rename one (each is named by its file's name)")
 others = ({Path(file).stem: load(Path(file).stem, Path(file).read_text()) for file in sys.argv[1:]} or
           {"old": load("old", subprocess.run(["git", "show", "HEAD:kernels/flash_attention_hopper.py"],
                                              capture_output=True, text=True, check=True).stdout)})

@@ -37,8 +37,8 @@ BLOCK_N, KV_BYTES_PER_KEY = 128, 2 * 128 * 2     # a key's K and V, D = 128, bf1
 
 
 def heads_fastest(item: int, n_blocks: int, n_items: int) -> tuple[int, int]:
-    """(KV head, block's rank from the last block) of the item."""
-    return item % Q_HEADS // GROUP, item // Q_HEADS % n_blocks
+    """(KV head of a batch row, numbered across the rows; block's rank from the last block) of the item."""
+    return item // (Q_HEADS * n_blocks) * KV_HEADS + item % Q_HEADS // GROUP, item // Q_HEADS % n_blocks
 
 
 def kv_head_by_kv_head(item: int, n_blocks: int, n_items: int, alternate: bool = True) -> tuple[int, int]:
@@ -47,7 +47,7 @@ def kv_head_by_kv_head(item: int, n_blocks: int, n_items: int, alternate: bool =
     block = rest % n_blocks
     if alternate and (n_items // (GROUP * n_blocks) - 1 - run) % 2 == 1:
         block = n_blocks - 1 - block
-    return run % KV_HEADS, block
+    return run, block
 
 
 def kv_head_by_kv_head_heaviest_first(item: int, n_blocks: int, n_items: int) -> tuple[int, int]:
@@ -69,7 +69,8 @@ def cta_items(n_items: int, ctas: int, mirrored: bool) -> list[list[int]]:
 
 
 def balance(order, seqlen: int, batch: int, ctas: int, mirrored: bool, samples: int = 200) -> tuple[float, ...]:
-    """(most key tiles of a CTA / mean, KV heads of a full round's items on average, mean window in MiB)."""
+    """(most key tiles of a CTA / mean, KV heads (each batch row's its own) of a full round's items on
+    average, mean window in MiB)."""
     n_blocks = -(-seqlen // BLOCK_M)
     n_items = batch * Q_HEADS * n_blocks
     items = [order(item, n_blocks, n_items) for item in range(n_items)]
