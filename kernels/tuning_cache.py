@@ -12,7 +12,9 @@ version, the kernel's source (with the functions it calls), the tuning key (sequ
 masking, dtypes) and the candidate list. The file stores that identity in full and is used only if it
 matches exactly, and the choice is returned only as one of today's candidate objects (never built from the
 file). Anything else - unreadable JSON, a foreign or stale identity, a choice that is no candidate - is
-ignored with a warning and tuned again; a cache that cannot be written only warns.
+ignored with a warning and tuned again; a cache that cannot be written only warns. A stale entry (the same
+kernel and tuning key from another GPU, Triton or kernel source) lies under another file name, since the
+name hashes the identity: it is found by the kernel's name on a miss, and its fields that differ are named.
 
 Triton's own `cache_results=True` (TRITON_CACHE_AUTOTUNING) stores timings under TRITON_CACHE_DIR, but keys
 on the compute capability rather than the GPU (an H100 PCIe and an H200 would share choices) and fails on a
@@ -70,6 +72,7 @@ def load_choice(directory: Path, identity: dict, candidates):
     try:
         text = path.read_text()
     except FileNotFoundError:
+        _warn_if_stale(directory, identity)
         return None
     except OSError as error:
         warnings.warn(f"tuning cache: cannot read {path} ({error}); tuning again")
@@ -88,6 +91,22 @@ def load_choice(directory: Path, identity: dict, candidates):
         warnings.warn(f"tuning cache: {path} names {choice!r}, which is no candidate config; ignored")
         return None
     return by_name[choice]
+
+
+def _warn_if_stale(directory: Path, identity: dict) -> None:
+    """On a miss: warn if another entry holds this kernel's choice for the same tuning key, from an identity
+    that differs elsewhere (an upgrade of Triton, an edited kernel, another GPU)."""
+    for path in sorted(directory.glob(f"{identity['kernel']}-*.json")):
+        try:
+            stored = json.loads(path.read_text())["identity"]
+            same_key = stored["kernel"] == identity["kernel"] and stored["key"] == identity["key"]
+        except (OSError, ValueError, TypeError, KeyError):
+            continue     # unreadable: the lookup of its own identity says so
+        if same_key:
+            changed = sorted(field for field in identity if stored.get(field) != identity[field])
+            warnings.warn(f"tuning cache: {path} is stale (written for another {' and '.join(changed)}); ignored, "
+                          "tuning again")
+            return
 
 
 def store_choice(directory: Path, identity: dict, config) -> None:

@@ -11,7 +11,7 @@ count causal FLOPs: forward 2*S^2*D per head, backward 2.5x that. Then the packe
 documents of 4k tokens against 16 separate 4k calls and against FlexAttention with a document-causal block
 mask, and against ours and cuDNN's (with --peers cudnn) on the documents as a batch of equal rows.
 
-    python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072] [--peers cudnn]
+    python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072] [--peers cudnn] [--deterministic]
 
 Each length first times our first forward+backward call: autotuning and compiling, unless the tuning cache
 (kernels/tuning_cache.py, $LONGCTX_TUNING_CACHE) and Triton's compile cache already hold them.
@@ -162,7 +162,7 @@ def first_call_seconds(q, k, v) -> float:
 
 
 def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: bool, clocks=None,
-                 rep_ms: int = 100):
+                 rep_ms: int = 100, deterministic: bool = False):
     print(f"S={seqlen}", flush=True)
     inputs = make_inputs(seqlen)
     print(f"  first fwd+bwd call (tuning + compiling unless cached): {first_call_seconds(*inputs):.1f} s", flush=True)
@@ -171,6 +171,9 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
             "flex": lambda: flex(create_block_mask(causal_mask, None, None, seqlen, seqlen, _compile=True))}
     names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
     contenders = [(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True))]
+    if deterministic:   # what `deterministic=true` costs: the Triton two-kernel backward
+        contenders.append((f"S={seqlen} ours, deterministic",
+                           lambda q, k, v: fa.flash_attention(q, k, v, causal=True, deterministic=True)))
     if cudnn_attention.available(inputs[0].device):   # what kernels=auto runs on this GPU
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
                            lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
@@ -232,6 +235,8 @@ def main():
                         help="GPU time of each kernel of every contender's fwd+bwd")
     parser.add_argument("--clocks", action="store_true",
                         help="the SM clock and power draw while each cell was timed (NVML)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also ours with deterministic=True (bit-identical gradients run to run)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -244,7 +249,8 @@ def main():
     sampler = gpu_clocks.ClockSampler(gpu_clocks.current_gpu()) if args.clocks else contextlib.nullcontext()
     with sampler as clocks:
         for seqlen in args.seqlens:
-            bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms)
+            bench_causal(seqlen, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms,
+                         args.deterministic)
             torch.cuda.empty_cache()
         if not args.no_packed:
             bench_packed(*args.packed, args.peers, results, args.rounds, args.profile, clocks, args.rep_ms)

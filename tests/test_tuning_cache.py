@@ -44,9 +44,35 @@ def test_missing_entry_is_silent(tmp_path, recwarn):
     {"tuning_key": (65536, *KEY[1:])},
     {"candidates": CANDIDATES[:1]},
 ])
-def test_any_change_of_identity_finds_no_entry(tmp_path, changes):
+def test_any_change_of_identity_finds_no_entry(tmp_path, changes, recwarn):
+    """No entry is read; the entry left is stale, and said to be, unless it is for another tuning key."""
     tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
     assert tuning_cache.load_choice(tmp_path, _identity(**changes), CANDIDATES) is None
+    assert [("stale" in str(warning.message)) for warning in recwarn] == ([] if "tuning_key" in changes else [True])
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"device": {**DEVICE, "triton": "0.0.1"}}, "triton"),
+    ({"device": {**DEVICE, "gpu": "NVIDIA H100 80GB HBM3"}}, "gpu"),
+    ({"source": "kernel edited"}, "source"),
+])
+def test_a_stale_entry_for_the_same_key_is_named_in_a_warning(tmp_path, changes, field):
+    """The entry of the same kernel and tuning key from before an upgrade or an edit lies under another file
+    name: the miss finds it and says what changed."""
+    tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
+    with pytest.warns(UserWarning, match=f"stale \\(written for another {field}\\)"):
+        assert tuning_cache.load_choice(tmp_path, _identity(**changes), CANDIDATES) is None
+
+
+def test_entries_of_other_keys_and_kernels_are_no_stale_entry(tmp_path, recwarn):
+    """Another sequence bucket, or another kernel, is a plain miss, and so is a corrupt file of another key
+    (its own lookup warns)."""
+    tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
+    tuning_cache.store_choice(tmp_path, _identity(kernel="_attn_bwd_dq_kernel", source="x"), CANDIDATES[0])
+    (tmp_path / "_attn_fwd_kernel-000000000000000000000000.json").write_text("{not json")
+    assert tuning_cache.load_choice(tmp_path, _identity(tuning_key=(65536, *KEY[1:])), CANDIDATES) is None
+    assert tuning_cache.load_choice(tmp_path, _identity(kernel="_attn_fwd", source="x"), CANDIDATES) is None
+    assert not recwarn.list
 
 
 def _entry_file(tmp_path):
