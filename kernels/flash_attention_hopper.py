@@ -180,8 +180,8 @@ def _round_item(index):
     round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in the next, so
     the CTAs end each pair of rounds together instead of drifting apart round after round; in step, the CTAs
     of one KV head read each key tile at about the same time, once from HBM and then from L2 (with work items
-    KV head by KV head, the 131k forward ran 4% faster so than with CTA c taking items c, c + num_programs,
-    ...; docs/BENCHMARKS.md)."""
+    KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c, c + num_programs, ...;
+    docs/BENCHMARKS.md)."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 

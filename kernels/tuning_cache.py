@@ -13,8 +13,9 @@ masking, dtypes) and the candidate list. The file stores that identity in full a
 matches exactly, and the choice is returned only as one of today's candidate objects (never built from the
 file). Anything else - unreadable JSON, a foreign or stale identity, a choice that is no candidate - is
 ignored with a warning and tuned again; a cache that cannot be written only warns. A stale entry (the same
-kernel and tuning key from another GPU, Triton or kernel source) lies under another file name, since the
-name hashes the identity: it is found by the kernel's name on a miss, and its fields that differ are named.
+kernel and tuning key from an older Triton or kernel source, or from another GPU) lies under another file
+name, since the name hashes the identity: it is found by the kernel's name on a miss, and what it was
+written for is named.
 
 Triton's own `cache_results=True` (TRITON_CACHE_AUTOTUNING) stores timings under TRITON_CACHE_DIR, but keys
 on the compute capability rather than the GPU (an H100 PCIe and an H200 would share choices) and fails on a
@@ -36,6 +37,9 @@ from triton.runtime.autotuner import Autotuner
 CACHE_DIR_ENV = "LONGCTX_TUNING_CACHE"
 DEFAULT_CACHE_DIR = Path("~/.cache/longctx/triton-tuning")
 FORMAT_VERSION = 1
+# An entry's identity fields as a warning names them.
+FIELD_NAMES = {"gpu": "GPU", "arch": "compile target", "triton": "Triton version", "source": "kernel source",
+               "candidates": "list of candidate configs", "format": "cache format"}
 
 
 def cache_dir() -> Path | None:
@@ -94,19 +98,28 @@ def load_choice(directory: Path, identity: dict, candidates):
 
 
 def _warn_if_stale(directory: Path, identity: dict) -> None:
-    """On a miss: warn if another entry holds this kernel's choice for the same tuning key, from an identity
-    that differs elsewhere (an upgrade of Triton, an edited kernel, another GPU)."""
-    for path in sorted(directory.glob(f"{identity['kernel']}-*.json")):
+    """On a miss: if another entry holds this kernel's choice for the same tuning key, say what it was written
+    for (an older Triton or kernel source: stale; another GPU sharing the directory: another machine's), the
+    entry differing in the fewest fields, and that it is not used."""
+    closest = None
+    try:
+        paths = sorted(directory.glob(f"{identity['kernel']}-*.json"))
+    except OSError:
+        return
+    for path in paths:
         try:
             stored = json.loads(path.read_text())["identity"]
-            same_key = stored["kernel"] == identity["kernel"] and stored["key"] == identity["key"]
-        except (OSError, ValueError, TypeError, KeyError):
+            if stored["kernel"] != identity["kernel"] or stored["key"] != identity["key"]:
+                continue
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
             continue     # unreadable: the lookup of its own identity says so
-        if same_key:
-            changed = sorted(field for field in identity if stored.get(field) != identity[field])
-            warnings.warn(f"tuning cache: {path} is stale (written for another {' and '.join(changed)}); ignored, "
-                          "tuning again")
-            return
+        changed = [field for field in identity if stored.get(field) != identity[field]]
+        if changed and (closest is None or len(changed) < len(closest[1])):
+            closest = path, changed
+    if closest is not None:
+        path, changed = closest
+        warnings.warn(f"tuning cache: {path} holds this kernel's choice for the same key, written for another "
+                      f"{', '.join(FIELD_NAMES.get(field, field) for field in changed)}; not used, tuning again")
 
 
 def store_choice(directory: Path, identity: dict, config) -> None:

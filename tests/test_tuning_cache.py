@@ -45,33 +45,48 @@ def test_missing_entry_is_silent(tmp_path, recwarn):
     {"candidates": CANDIDATES[:1]},
 ])
 def test_any_change_of_identity_finds_no_entry(tmp_path, changes, recwarn):
-    """No entry is read; the entry left is stale, and said to be, unless it is for another tuning key."""
+    """No entry is read; the entry left is named in a warning, unless it is for another tuning key."""
     tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
     assert tuning_cache.load_choice(tmp_path, _identity(**changes), CANDIDATES) is None
-    assert [("stale" in str(warning.message)) for warning in recwarn] == ([] if "tuning_key" in changes else [True])
+    assert [("same key" in str(warning.message)) for warning in recwarn] == ([] if "tuning_key" in changes else [True])
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"device": {**DEVICE, "triton": "0.0.1"}}, "triton"),
-    ({"device": {**DEVICE, "gpu": "NVIDIA H100 80GB HBM3"}}, "gpu"),
-    ({"source": "kernel edited"}, "source"),
+@pytest.mark.parametrize("changes,named", [
+    ({"device": {**DEVICE, "triton": "0.0.1"}}, "Triton version"),
+    ({"device": {**DEVICE, "gpu": "NVIDIA H100 80GB HBM3"}}, "GPU"),
+    ({"device": {**DEVICE, "arch": "sm90"}}, "compile target"),
+    ({"source": "kernel edited"}, "kernel source"),
 ])
-def test_a_stale_entry_for_the_same_key_is_named_in_a_warning(tmp_path, changes, field):
-    """The entry of the same kernel and tuning key from before an upgrade or an edit lies under another file
-    name: the miss finds it and says what changed."""
+def test_an_entry_for_the_same_key_under_another_identity_is_named_in_a_warning(tmp_path, changes, named):
+    """The entry of the same kernel and tuning key from before an upgrade or an edit, or from another GPU,
+    lies under another file name: the miss finds it and says what it was written for."""
     tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
-    with pytest.warns(UserWarning, match=f"stale \\(written for another {field}\\)"):
+    with pytest.warns(UserWarning, match=f"same key, written for another {named}; not used"):
         assert tuning_cache.load_choice(tmp_path, _identity(**changes), CANDIDATES) is None
 
 
-def test_entries_of_other_keys_and_kernels_are_no_stale_entry(tmp_path, recwarn):
+def test_the_warning_names_the_closest_of_several_entries(tmp_path):
+    """Of an A100 entry of this Triton and an entry of this GPU from another Triton, the second is the one this
+    run would have used but for the upgrade."""
+    this_gpu = {**DEVICE, "gpu": "NVIDIA H100 80GB HBM3", "arch": "sm90"}
+    tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
+    tuning_cache.store_choice(tmp_path, _identity(device={**this_gpu, "triton": "0.0.1"}), CANDIDATES[0])
+    with pytest.warns(UserWarning, match="written for another Triton version; not used") as warned:
+        assert tuning_cache.load_choice(tmp_path, _identity(device=this_gpu), CANDIDATES) is None
+    assert len(warned) == 1
+
+
+def test_entries_of_other_keys_and_kernels_and_copies_are_not_named(tmp_path, recwarn):
     """Another sequence bucket, or another kernel, is a plain miss, and so is a corrupt file of another key
-    (its own lookup warns)."""
+    (its own lookup warns) and an entry of this identity under another name."""
     tuning_cache.store_choice(tmp_path, _identity(), CANDIDATES[0])
     tuning_cache.store_choice(tmp_path, _identity(kernel="_attn_bwd_dq_kernel", source="x"), CANDIDATES[0])
     (tmp_path / "_attn_fwd_kernel-000000000000000000000000.json").write_text("{not json")
     assert tuning_cache.load_choice(tmp_path, _identity(tuning_key=(65536, *KEY[1:])), CANDIDATES) is None
     assert tuning_cache.load_choice(tmp_path, _identity(kernel="_attn_fwd", source="x"), CANDIDATES) is None
+    # this very entry under another name (renamed by hand): nothing differs, nothing to name
+    tuning_cache.entry_path(tmp_path, _identity()).rename(tmp_path / "_attn_fwd_kernel-backup.json")
+    assert tuning_cache.load_choice(tmp_path, _identity(), CANDIDATES) is None
     assert not recwarn.list
 
 

@@ -35,8 +35,9 @@ def load(name: str, source: str):
     return module
 
 
-if len({Path(file).stem for file in sys.argv[1:]}) < len(sys.argv[1:]):
-    sys.exit(f"two versions by one name in {sys.argv[1:]}: rename one (each is named by its file's name)")
+if len({Path(file).stem for file in sys.argv[1:]} | {"new"}) <= len(sys.argv[1:]):
+    sys.exit(f"two versions by one name in {sys.argv[1:]} and the tree's ('new'): rename one (each is named by "
+             "its file's name)")
 others = ({Path(file).stem: load(Path(file).stem, Path(file).read_text()) for file in sys.argv[1:]} or
           {"old": load("old", subprocess.run(["git", "show", "HEAD:kernels/flash_attention_hopper.py"],
                                              capture_output=True, text=True, check=True).stdout)})
