@@ -165,25 +165,23 @@ def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _items_of_this_cta(n_items):
-    """How many work items this CTA takes: one a round of `num_programs` items, its position in the round
-    mirrored every other round (`_round_item`)."""
+def _round_item(index):
+    """The item this CTA takes in its index-th round: CTA c takes the round's c-th item, then, in the next
+    round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in
+    the next, so the CTAs end each pair of rounds together instead of drifting apart round after round; in
+    step, the CTAs of one KV head read each key tile at about the same time, once from HBM and then from L2
+    (with work items KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c,
+    c + num_programs, ...; docs/BENCHMARKS.md)."""
     ctas = gl.num_programs(0)
-    full_rounds = n_items // ctas
-    last_position = gl.program_id(0) + full_rounds % 2 * (ctas - 1 - 2 * gl.program_id(0))
-    return full_rounds + (last_position < n_items % ctas).to(gl.int32)
+    return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 
 
 @gluon.jit
-def _round_item(index):
-    """The item this CTA takes in its index-th round: CTA c takes the round's c-th item, then, in the next
-    round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in the next, so
-    the CTAs end each pair of rounds together instead of drifting apart round after round; in step, the CTAs
-    of one KV head read each key tile at about the same time, once from HBM and then from L2 (with work items
-    KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c, c + num_programs, ...;
-    docs/BENCHMARKS.md)."""
-    ctas = gl.num_programs(0)
-    return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
+def _items_of_this_cta(n_items):
+    """How many work items this CTA takes (`_round_item`): one in every full round of `num_programs` items,
+    and one in the last, partial round if its place there holds an item."""
+    full_rounds = n_items // gl.num_programs(0)
+    return full_rounds + (_round_item(full_rounds) < n_items).to(gl.int32)
 
 
 @gluon.jit
