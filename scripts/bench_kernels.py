@@ -80,7 +80,7 @@ def bench_norms(skip_liger: bool) -> None:
         for peer, ms in results.items():
             print(f"  {peer:<16} {ms:7.3f} ms  {floor_bytes / ms / 1e9:6.2f} TB/s effective")
         print(f"  ours split: forward {forward_ms:.3f} ms, backward {backward_ms:.3f} ms")
-        del inputs, dy, y
+        inputs = dy = y = None  # free this size's tensors (closures above hold them)
         torch.cuda.empty_cache()
 
 
@@ -180,7 +180,7 @@ def sweep_cross_entropy_kernel() -> None:
                                                  num_warps=num_warps),
                       warmup=50, rep=300, return_mode="median")
         print(f"  BLOCK_V={block_v:<6} warps={num_warps:<3} {ms:.3f} ms  {floor_bytes / ms / 1e9:.2f} TB/s")
-    del logits
+    logits = None  # free this size's tensors (closures above hold them)
 
 
 def measure_loss(fn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, repeats: int):
@@ -247,7 +247,8 @@ def bench_linear_cross_entropy(skip_liger: bool) -> None:
             print(f"  cuBLAS {name:<30} {ms:6.2f} ms per {chunk}-token chunk ({flops / ms / 1e9:.0f} TFLOP/s)")
         print(f"  the three cuBLAS matmuls alone, scaled to N: {total_ms:.1f} ms "
               f"({3 * 2 * n_tokens * hidden_size * vocab / total_ms / 1e9:.0f} TFLOP/s)")
-        del hidden, weight, targets, logits, grad_hidden, grad_weight, part, w
+        # free this size's tensors (the closures above hold them)
+        hidden = weight = targets = logits = grad_hidden = grad_weight = part = w = None
         torch.cuda.empty_cache()
 
 

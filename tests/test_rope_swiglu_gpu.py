@@ -6,7 +6,6 @@ and compiles on one with a GPU unless told).
 from types import SimpleNamespace
 
 import conftest_kernels
-import pytest
 import torch
 
 from kernels import reference

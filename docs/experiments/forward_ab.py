@@ -90,4 +90,4 @@ with sampler or contextlib.nullcontext():
         time_in_turn(label, {name: (lambda module=module: module.attention_forward(q, k, v, *bounds, True, 0.1))
                              for name, module in (*others.items(), ("new", new))}, flops(lengths, rows), 7, reps,
                      sampler)
-        del q, k, v
+        q = k = v = None  # free this size's tensors (closures above hold them)
