@@ -26,6 +26,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Which attention implementations run: installed by trainer.build as the memory plan chose them; None:
+    # kernels.attention.route.default_route.
+    route: kernels.attention.AttentionRoute | None = None
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -41,7 +45,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope.py says why not in place)
-        out = kernels.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens)
+        out = kernels.attention.attention(q, k, v, self.route, causal=True, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))
 
 

@@ -9,9 +9,10 @@ A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_by
 backward reads instead of its input and attention output; without checkpointing every layer is one. The
 transient is the larger of a decoder layer's backward (recomputed activations, their gradients, the next
 input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final hidden states,
-their gradient and the linear-cross-entropy's chunk budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
-measured peaks on the H100 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host
-buffers at these sizes (`Shape`), so what the plan counts is what is allocated.
+their gradient and the linear-cross-entropy's chunk budget). Activation counts are in units of one
+[tokens, hidden] tensor and were calibrated against measured peaks on the H100 (docs/BENCHMARKS.md,
+"Training (issue 5)"). The memory policy pins its host buffers at these sizes (`Shape`), so what the plan
+counts is what is allocated.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cudnn_attention
+from kernels.attention import cudnn_attention
 from model.config import LlamaConfig
 from offload.units import GIB
 
@@ -30,7 +31,7 @@ from offload.units import GIB
 BACKWARD_ACTIVATIONS = 11.0
 # The loss phase: last hidden state (kept by the final norm), normed copy, its gradient.
 LOSS_ACTIVATIONS = 3.0
-# The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy.DEFAULT_MEMORY_BUDGET + slack).
+# The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy_triton.DEFAULT_MEMORY_BUDGET + slack).
 LCE_WORKSPACE = 2 * GIB
 # Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, the product, its gradient,
 # the gradients of gate and up).

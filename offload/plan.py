@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.attention import AttentionRoute
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
                                 full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
@@ -46,8 +47,8 @@ class MemoryPlan:
     advice: list[str] = field(default_factory=list)
     # train=full: where weights, gradients and AdamW state live (offload.state_layouts).
     full_state: str | None = None
-    # The attention kernel the bytes were counted for (kernels.dispatch.ATTENTION_KERNELS).
-    attention_kernel: str = "flash"
+    # The attention route the bytes were counted for (kernels.attention.candidates), which the build installs.
+    attention_route: AttentionRoute = AttentionRoute()
     # The top layer is full at no cost: its bytes are not among the full layers' (offload.placement).
     top_layer_free: bool = False
 
@@ -56,6 +57,10 @@ class MemoryPlan:
         """The dtype the model's weights are built in, the one the bytes were counted for: bf16 for a frozen
         LoRA base on the GPU and the bf16 state layouts, else fp32 (computing under bf16 autocast)."""
         return torch.bfloat16 if self.shape.act_bytes == 2 else torch.float32
+
+    @property
+    def attention_kernel(self) -> str:
+        return self.attention_route.plan_kernel
 
     @property
     def gpu_peak(self) -> int:
@@ -91,7 +96,7 @@ class MemoryPlan:
                  f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, {full}"
                  f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
                  f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")
-                 + f", attention kernel {self.attention_kernel}"
+                 + f", attention {self.attention_route.describe()}"
                  + (", layer 0's input looked up again from the embedding" if self.count("embedding") else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
@@ -124,10 +129,10 @@ def _mlp_tiles(tokens: int, memory_cfg) -> int:
 
 def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True,
-                attention_kernels: tuple[str, ...] = ("flash",), ranks: Ranks = Ranks(),
+                attention_routes: tuple[AttentionRoute, ...] = (AttentionRoute(),), ranks: Ranks = Ranks(),
                 micro_batches: int = 1) -> MemoryPlan:
     """The policy for this config on this machine (or `capacity`), with its predicted peaks. The first
-    attention kernel of `attention_kernels` (fastest first: kernels.attention_kernels) that fits, and for full
+    attention route of `attention_routes` (fastest first: kernels.attention.candidates) that fits, and for full
     fine-tuning the first state layout of train.full_state that fits with it (offload.state_layouts).
     Several processes (`ranks`): the plan of one rank, which holds 1/ranks.sequence of each sequence and
     shares the host with ranks.per_host - 1 others. `micro_batches` (optim.grad_accum_steps) > 1 keeps the
@@ -136,9 +141,9 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
     if ranks.world > 1 and train_cfg.mode == "full":
         layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states do not run over several processes yet
-    for attention_kernel, layout in ((kernel, layout) for kernel in attention_kernels for layout in layouts):
+    for attention_route, layout in ((route, layout) for route in attention_routes for layout in layouts):
         plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
-                            layout, attention_kernel, ranks, micro_batches)
+                            layout, attention_route, ranks, micro_batches)
         if plan.fits:
             break
     if with_advice and not plan.fits:
@@ -147,7 +152,9 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
 
 
 def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
-                 full_state: str | None, attention_kernel: str, ranks: Ranks, micro_batches: int) -> MemoryPlan:
+                 full_state: str | None, attention_route: AttentionRoute, ranks: Ranks,
+                 micro_batches: int) -> MemoryPlan:
+    attention_kernel = attention_route.plan_kernel
     lora_on_gpu = train_cfg.mode == "lora" and device.type == "cuda"
     bf16_weights = lora_on_gpu or (full_state is not None and weights_dtype(full_state) == torch.bfloat16)
     shape = Shape(arch, tokens, 2 if bf16_weights else 4)
@@ -199,7 +206,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         host.update(kept.host)
     gpu.update(transient)
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
-                      attention_kernel=attention_kernel, top_layer_free=top_full)
+                      attention_route=attention_route, top_layer_free=top_full)
 
 
 def _embedding_looked_up_again(train_cfg, sharded: bool) -> bool:

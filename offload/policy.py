@@ -12,7 +12,7 @@ needed next, recomputes layer i with grad and back-propagates through it; LoRA p
 gradients there, as in reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_buffers`).
 
 Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
-log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
+log-sum-exp are kept too, through a `kernels.attention.attention_tape.AttentionTape`: the recomputation then reuses
 them instead of running the attention forward again, the costliest part of a long-sequence recompute.
 A layer re-run to rebuild the recomputed input above it keeps that run's attention outputs the same way, for
 its own backward next, in host memory its input no longer needs (`offload.store.rebuilds_attention`).
@@ -24,7 +24,7 @@ import contextlib
 import torch
 from torch import nn
 
-from kernels.attention_tape import AttentionTape
+from kernels.attention.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine

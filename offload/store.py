@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention_tape import AttentionTape
+from kernels.attention.attention_tape import AttentionTape
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
 PLACEMENTS = ("gpu", "host", "recompute", "full", "embedding")

@@ -25,12 +25,12 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.layer_norm import layer_norm  # noqa: E402
-from kernels.linear_cross_entropy import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
+from kernels.layer_norm_triton import layer_norm  # noqa: E402
+from kernels.linear_cross_entropy_triton import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
                                           linear_cross_entropy, plan_chunks)
-from kernels.rms_norm import rms_norm  # noqa: E402
-from kernels.rope import rope  # noqa: E402
-from kernels.swiglu import swiglu  # noqa: E402
+from kernels.rms_norm_triton import rms_norm  # noqa: E402
+from kernels.rope_triton import rope  # noqa: E402
+from kernels.swiglu_triton import swiglu  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.llama import LlamaModel  # noqa: E402
 from offload.units import GIB  # noqa: E402

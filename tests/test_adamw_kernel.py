@@ -8,7 +8,7 @@ import torch
 
 from conf.schema.job import triton_interpreting
 from kernels import reference
-from kernels.adamw_update import adamw_update
+from kernels.adamw_update_triton import adamw_update
 
 DEVICE = "cuda" if torch.cuda.is_available() and not triton_interpreting() else "cpu"
 # Compiled Triton needs CUDA tensors; the interpreter takes CPU ones.

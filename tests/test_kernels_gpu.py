@@ -35,12 +35,12 @@ def check_norm(op, reference_op, rows: int, hidden: int, with_bias: bool) -> Non
 
 
 def test_rms_norm_bf16_real_shape():
-    from kernels.rms_norm import rms_norm
+    from kernels.rms_norm_triton import rms_norm
     check_norm(rms_norm, reference.rms_norm, 65536, 4096, with_bias=False)
 
 
 def test_layer_norm_bf16_real_shape():
-    from kernels.layer_norm import layer_norm
+    from kernels.layer_norm_triton import layer_norm
     check_norm(lambda x, w, b, eps: layer_norm(x, w, b, eps),
                lambda x, w, b, eps: reference.layer_norm(x, w, b, eps), 65536, 4096, with_bias=True)
 
@@ -66,7 +66,7 @@ def llama_head():
 
 @pytest.mark.parametrize("memory_budget", [None, 8 * 2**30], ids=["default-bf16-accumulation", "fp32-accumulation"])
 def test_linear_cross_entropy_bf16_real_shape(llama_head, memory_budget):
-    from kernels.linear_cross_entropy import linear_cross_entropy, plan_chunks
+    from kernels.linear_cross_entropy_triton import linear_cross_entropy, plan_chunks
     hidden, weight, targets, (loss_ref, grad_hidden_ref, grad_weight_ref) = llama_head
     chunk, accumulate_fp32 = plan_chunks(*hidden.shape, weight.shape[0], hidden.dtype, True,
                                          memory_budget or 7 * 2**28)

@@ -1,4 +1,4 @@
-"""Chunked fused linear cross-entropy (kernels/linear_cross_entropy.py) on CPU through Triton's interpreter,
+"""Chunked fused linear cross-entropy (kernels/linear_cross_entropy_triton.py) on CPU through Triton's interpreter,
 against the fp32 reference: loss and both gradients, fp32 and fp16, chunking-invariance, ignore_index,
 frozen weight or hidden, gradient scaling. (bf16 at Llama-3 shapes: tests/test_kernels_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.linear_cross_entropy import DEFAULT_MEMORY_BUDGET, linear_cross_entropy, plan_chunks
+from kernels.linear_cross_entropy_triton import DEFAULT_MEMORY_BUDGET, linear_cross_entropy, plan_chunks
 
 pytestmark = conftest_kernels.needs_interpreter
 
@@ -130,7 +130,7 @@ def test_frozen_weight_does_no_grad_weight_work(monkeypatch):
         raise AssertionError("grad_weight work for a frozen weight")
 
     # The module itself: the package attribute of its name is the dispatching function.
-    monkeypatch.setattr(importlib.import_module("kernels.linear_cross_entropy"), "_accumulate_grad_weight", fail)
+    monkeypatch.setattr(importlib.import_module("kernels.linear_cross_entropy_triton"), "_accumulate_grad_weight", fail)
     hidden, weight, targets = make_inputs(20, 16, 90, torch.float32)
     weight.requires_grad_(False)
     loss = linear_cross_entropy(hidden, weight, targets, memory_budget=6 * 90 * 4)

@@ -1,4 +1,4 @@
-"""Triton RMSNorm and LayerNorm (kernels/rms_norm.py, kernels/layer_norm.py) on CPU through Triton's
+"""Triton RMSNorm and LayerNorm (kernels/rms_norm_triton.py, kernels/layer_norm_triton.py) on CPU through Triton's
 interpreter, against the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes.
 (bf16 runs on the GPU only: tests/test_kernels_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
@@ -11,8 +11,8 @@ import torch
 
 import kernels
 from kernels import _row_norm, reference
-from kernels.layer_norm import layer_norm
-from kernels.rms_norm import rms_norm
+from kernels.layer_norm_triton import layer_norm
+from kernels.rms_norm_triton import rms_norm
 
 pytestmark = conftest_kernels.needs_interpreter
 

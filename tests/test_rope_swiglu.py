@@ -1,4 +1,4 @@
-"""Triton RoPE and SwiGLU (kernels/rope.py, kernels/swiglu.py) on CPU through Triton's interpreter, against
+"""Triton RoPE and SwiGLU (kernels/rope_triton.py, kernels/swiglu_triton.py) on CPU through Triton's interpreter, against
 the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes, packed-document positions, and
 the model through the memory policy (recomputed layers, tiled MLP). (bf16 at real shapes: GPU only,
 tests/test_rope_swiglu_gpu.py.)"""
@@ -13,8 +13,8 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.rope import rope
-from kernels.swiglu import swiglu
+from kernels.rope_triton import rope
+from kernels.swiglu_triton import swiglu
 from model import Llama, LlamaConfig
 from model.llama import LlamaModel, positions_from_documents
 from offload.policy import apply_memory_policy

@@ -24,7 +24,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_rope_bf16_llama3_shape_with_packed_documents():
     """32 q heads, 8 kv heads, D=128, 32k tokens of packed documents, Llama-3.1's scaled tables in bf16."""
-    from kernels.rope import rope
+    from kernels.rope_triton import rope
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
@@ -46,7 +46,7 @@ def test_rope_bf16_llama3_shape_with_packed_documents():
 
 def test_swiglu_bf16_llama3_mlp_shape():
     """[32768, 14336] bf16: the intermediate of Llama-3 8B's MLP at 32k tokens."""
-    from kernels.swiglu import swiglu
+    from kernels.swiglu_triton import swiglu
     torch.manual_seed(0)
     gate = (2 * torch.randn(TOKENS, 14336, device="cuda")).to(torch.bfloat16).requires_grad_()
     up = torch.randn(TOKENS, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)

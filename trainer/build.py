@@ -1,6 +1,7 @@
 """Turning a validated config into a model on its device, with the memory plan and policy it was built for."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,9 @@ import kernels
 from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
+from kernels.attention import AttentionRoute
 from model import Llama, LlamaConfig
+from model.llama import Attention
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
@@ -46,25 +49,25 @@ def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | 
     arch = model_architecture(cfg)
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
                        capacity=capacity,
-                       attention_kernels=attention_kernels(cfg, device),
+                       attention_routes=attention_routes(cfg, arch, device),
                        ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
                                    world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard),
                        micro_batches=cfg.optim.grad_accum_steps)
 
 
-def attention_kernels(cfg, device: torch.device) -> tuple[str, ...]:
-    """What kernels.attention_kernels says for this job: for the GPU named by memory.gpu, or by default
-    (PLANNING_GPU) when none is visible, else for this machine's."""
+def attention_routes(cfg, arch: LlamaConfig, device: torch.device) -> tuple[AttentionRoute, ...]:
+    """The attention routes the planner tries for this job (kernels.attention.candidates): for the GPU named by
+    memory.gpu, or by default (PLANNING_GPU) when none is visible, else for this machine's."""
     planned = cfg.memory.gpu or (PLANNING_GPU if device.type == "cuda" and not torch.cuda.is_available() else None)
     hopper = None if planned is None else planned in HOPPER_PRESETS
-    return kernels.attention_kernels(cfg.kernels, cfg.deterministic, device, hopper)
+    return kernels.attention.candidates(device, arch.head_dim, cfg.kernels, cfg.deterministic, hopper)
 
 
 def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
     """cfg.memory, keeping no attention outputs where the attention that runs records none (the reference
     attention: kernels=reference, a CPU run, a head dim the Triton kernel lacks), and no full layers there
     either: the planner counts the Triton attention's saved tensors, the reference keeps its [T, T] scores."""
-    if kernels.attention_records(cfg.kernels, device.type, arch.head_dim):
+    if attention_routes(cfg, arch, device)[0].records:
         return cfg.memory
     for name in ("kept_attention_layers", "full_layers"):
         if cfg.memory[name]:
@@ -87,8 +90,8 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings += [f"parallel.sequence={cfg.parallel.sequence}"] * (cfg.parallel.sequence != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
     if plan.gpu["weights"] > plan.capacity.gpu_limit > 0:     # no memory.* setting can help
-        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
-                   f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
+        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host "
+                   f"can give ({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
     else:
         failure = plan.failure()
     return (f"{why}, so this job would train on the CPU with the host's memory as the device's, and "
@@ -115,11 +118,11 @@ def checked_plan(cfg, device: torch.device, per_host: int = 1, capacity: Capacit
     return plan
 
 
-def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
+def build_model(cfg, device: torch.device, plan: MemoryPlan, sequence_group=None) -> Built:
     """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says, and
-    the ops dispatched to the attention kernel the plan was made for."""
+    the attention route the plan was made for, sequence-parallel over `sequence_group` (None: one process
+    holds whole sequences). The other ops' backend is kernels.set_backend's (trainer.loop.train sets it)."""
     log.info("%s", plan.describe())
-    kernels.set_backend(cfg.kernels, plan.attention_kernel, cfg.deterministic)
     dtype = plan.weights_dtype
     if cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
@@ -130,8 +133,16 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
+    install_attention_route(model, dataclasses.replace(plan.attention_route, sequence_group=sequence_group))
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
     return Built(model, plan, policy)
+
+
+def install_attention_route(model: torch.nn.Module, route: AttentionRoute) -> None:
+    """Have every attention module of `model` (under any wrapper) run `route`."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.route = route
 
 
 def lora_base_path(cfg) -> str | None:

@@ -94,8 +94,7 @@ def train(cfg) -> dict:
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
     try:
-        kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
-        kernels.set_sequence_parallel(world.sequence_group if world.sequence > 1 else None)
+        kernels.set_backend(cfg.kernels)
         seed_everything(cfg.seed)
         # A job that cannot fit stops before writing anything.
         plan = checked_plan(cfg, device, capacity=agreed_capacity(cfg, device, world))
@@ -106,7 +105,6 @@ def train(cfg) -> dict:
         with logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
             return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
     finally:
-        kernels.set_sequence_parallel(None)
         close_world(world)
 
 
@@ -123,7 +121,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
 
-    built = build_model(cfg, device, plan)
+    built = build_model(cfg, device, plan, world.sequence_group if world.sequence > 1 else None)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
     if cfg.parallel.shard and world.distributed:

@@ -1,7 +1,7 @@
 """The tile-level arithmetic of causal / packed-document flash attention: which key (or query) tiles a block
 of tokens pairs with, split in masked and unmasked runs; each token's document bounds; which pairs of a
-tile attend; one online-softmax step. Shared by the Triton kernels (kernels/flash_attention.py) and,
-recompiled as Gluon, by the Hopper forward and backward (kernels/flash_attention_hopper*.py)."""
+tile attend; one online-softmax step. Shared by the Triton kernels (triton_kernels.py) and,
+recompiled as Gluon, by the Hopper forward and backward (flash_attention_hopper*.py)."""
 import triton
 import triton.language as tl
 

@@ -1,14 +1,14 @@
 """How the attention backwards bound the memory they need beyond their inputs and gradients: they run over
 groups of KV heads, each with its query heads (a KV head's gradients come only from its own query heads, so
-each group's results are final). Free of Triton, as kernels.cudnn_attention (imported by the memory
+each group's results are final). Free of Triton, as kernels.attention.cudnn_attention (imported by the memory
 planner) must be. The one-pass backward runs only under plans made for cuDNN's backward, and only where its
-accumulator fits the cuDNN workspace they counted (kernels.dispatch.one_pass_fits_cudnn_plan): with
+accumulator fits the cuDNN workspace they counted (kernels.attention.route.one_pass_fits_cudnn_plan): with
 4 bytes per query element against cuDNN's 8 under the same cap it does whenever the KV heads are a power
 of two (Llama-3: 8), not always otherwise."""
 from __future__ import annotations
 
-# The one-pass Gluon backward's (kernels/flash_attention_hopper_backward.py) fp32 dQ accumulator, per call
-# at most: 131k tokens of 32 heads of 128 in one call.
+# The one-pass Gluon backward's (flash_attention_hopper_backward.py) fp32 dQ accumulator, per call at most:
+# 131k tokens of 32 heads of 128 in one call.
 ONE_PASS_MAX_BYTES = 4 * 2**30
 ONE_PASS_BYTES_PER_QUERY_ELEMENT = 4
 

@@ -2,7 +2,7 @@
 
 A checkpointed layer runs its forward twice: once without grad, once in the backward to rebuild what
 autograd needs. The attention is by far the costliest part of that second forward at long sequences
-(~15% of a 131k-token step), and its result is already known: the first forward's output and per-row
+(docs/PERFORMANCE.md), and its result is already known: the first forward's output and per-row
 log-sum-exp are all the attention backward needs besides q, k, v. A memory policy records them:
 
     tape = AttentionTape()
@@ -16,7 +16,7 @@ A replayed entry may be a zero-argument callable instead of a tensor (a copy bac
 flight): the replay calls it when the attention reaches it, so the copy overlaps the layer's work before its
 attention (norm, projections, RoPE) instead of holding up the whole recomputation.
 
-The Triton attention (kernels.flash_attention) and cuDNN's (kernels.cudnn_attention) take part; the
+Our attention (kernels/attention/function.py) and cuDNN's (kernels/attention/cudnn_attention.py) take part; the
 reference attention computes as usual, leaving the tape empty, which the policy treats as nothing kept.
 The model code knows nothing of this.
 """

@@ -1,26 +1,26 @@
 """Flash attention forward for Hopper (sm_90) in Gluon, warp-specialized as FlashAttention-3 is.
 
-The contract is `kernels.flash_attention._attention_forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
+The contract is `kernels.attention.flash_attention.forward`'s: q [B, S, Hq, D], k and v [B, S, Hkv, D]
 read through their strides (a token's heads within its row: `reads_as_rows`), optional per-token document
 bounds (packed documents folded into one row), causal or not; it returns the output in q's layout and the
 per-row log-sum-exp in base 2 ([B, Hq, S], fp32) that the backwards (Triton's, the one-pass Gluon one,
-cuDNN's through kernels.cudnn_attention) and the attention tape take.
+cuDNN's through kernels/attention/cudnn_attention.py) and the attention tape take.
 Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md).
+(the Triton forward ran behind cuDNN's: docs/PERFORMANCE.md).
 Here a work item is 128 query rows of one head; a persistent CTA per SM takes items in turn, with three
 partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves an item's Q and then each key tile's K and V by TMA into a two-stage
   ring, refilling a stage when both row groups have signalled (mbarriers) that they are done with it, and
   runs into the next item while the row groups end the last (a CTA per item, the next one waiting for the
-  last to end, was 13% slower on 16 x 4k packed documents, 4% at 8k, the same from 32k);
+  last to end, was slower on packed documents and short rows: docs/PERFORMANCE.md);
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
-  softmax runs while the tensor cores do the other's products (without turns, 1.6% slower at 131k; at 8k,
-  32k and 16 x 4k within the spreads: docs/BENCHMARKS.md).
+  softmax runs while the tensor cores do the other's products (without turns, slower at the longest rows:
+  docs/PERFORMANCE.md).
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
@@ -28,7 +28,6 @@ the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -37,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from conf.schema.job import triton_interpreting
-from kernels import _attention_tiles
+from kernels.attention import _attention_tiles
+from kernels.attention.support import runs_hopper_code
 
 GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)
 BLOCK_N = 128                          # keys per tile
@@ -51,7 +50,7 @@ LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
 # Query blocks a row from which work items go KV head by KV head (_work_item): 32k tokens, where it was
 # measured to matter. Rows of documents never do: each document's own causal triangle upsets the order's
-# balance (16 documents of 4k tokens ran 20% slower in it).
+# balance (packed documents ran slower in it: docs/PERFORMANCE.md).
 KV_MAJOR_BLOCKS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -131,13 +130,13 @@ def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     (`_round_item`).
     - Below `kv_major_blocks` query blocks a row, and in rows of documents, items go heads fastest, then a
       causal row's latest blocks, which do the most work, first, then batch rows: every round is about as
-      heavy across the CTAs (block order within each head in turn left the GPU 5% idle at the end at 8k
-      tokens in a list-scheduling model).
+      heavy across the CTAs (block order within each head in turn left the GPU idle at the end in a
+      list-scheduling model).
     - From there, the query heads of one KV head fastest, then blocks, then KV heads, then batch rows, so that
       a round reads the keys and values of one or two KV heads instead of all 8 (Llama-3 8B), which all its
-      CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: at 131k the
-      forward ran 6% faster with one KV head than with 8, and this order with mirrored rounds ran 4-5%
-      faster at 32k and 131k than heads fastest (docs/BENCHMARKS.md). The runs of blocks alternate their
+      CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: the forward ran
+      faster with one KV head than with 8, and this order with mirrored rounds faster than heads fastest
+      (docs/PERFORMANCE.md). The runs of blocks alternate their
       direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: with
       the mirrored rounds, the most loaded of 132 CTAs is within 0.1% of their mean from 32k tokens, batch 1
       or 2 (114 CTAs: 1.1%; docs/experiments/work_item_order.py)."""
@@ -170,8 +169,8 @@ def _round_item(index):
     round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in
     the next, so the CTAs end each pair of rounds together instead of drifting apart round after round; in
     step, the CTAs of one KV head read each key tile at about the same time, once from HBM and then from L2
-    (with work items KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c,
-    c + num_programs, ...; docs/BENCHMARKS.md)."""
+    (with work items KV head by KV head, the long forward ran faster than with CTA c taking items c,
+    c + num_programs, ...; docs/PERFORMANCE.md)."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 
@@ -365,8 +364,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, DOC_START, DOC_END,
 
 
 def attention_forward(q, k, v, doc_start, doc_end, causal: bool, qk_scale_log2: float):
-    """(out, lse) as kernels.flash_attention._attention_forward, for inputs that `takes` accepts, with
-    strides that suit tensor descriptors (flash_attention.tma_compatible); lse in base 2. Descriptors are
+    """(out, lse) as kernels.attention.flash_attention.forward, for inputs that `takes` accepts, with
+    strides that suit tensor descriptors (support.tma_compatible); lse in base 2. Descriptors are
     built on the device: the caller has set Triton's allocator."""
     batch, seqlen, q_heads, _ = q.shape
     out = torch.empty_like(q)
@@ -395,15 +394,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _runs_hopper_code(device: torch.device) -> bool:
-    """A Hopper GPU whose kernels Triton compiles for Hopper. TRITON_OVERRIDE_ARCH=sm80 (the A100's code on
-    this GPU, kernels.flash_attention) leaves the forward to the Triton kernel, as on an A100, and so does
-    Triton's interpreter (TRITON_INTERPRET=1), which cannot run Gluon kernels."""
-    override = os.environ.get("TRITON_OVERRIDE_ARCH", "")
-    return (device.type == "cuda" and not triton_interpreting()
-            and torch.cuda.get_device_capability(device)[0] == 9 and override in ("", "sm90", "sm90a"))
-
-
 def reads_as_rows(*tensors: torch.Tensor) -> bool:
     """Whether the kernel can read each [B, S, H, D] tensor as one view of [B * S rows, a token's heads]: its
     heads at least D apart and within the token stride (true of [B, S, H, D] layouts, not of [B, H, S, D]
@@ -418,7 +408,8 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def supports(q: torch.Tensor) -> bool:
-    """Whether this kernel runs q's dtype and head dim on q's device (Hopper, 16-bit, D of 64 or 128)."""
-    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES and _runs_hopper_code(q.device)
+    """Whether this kernel runs q's dtype and head dim on q's device (16-bit, D of 64 or 128, on a GPU that
+    runs Hopper code: support.runs_hopper_code)."""
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES and runs_hopper_code(q.device)
 
 

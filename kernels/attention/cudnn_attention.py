@@ -1,27 +1,25 @@
 """Attention with cuDNN's fused backward (PyTorch's aten ops), on Hopper GPUs.
 
-Measured on the H100 (docs/BENCHMARKS.md), cuDNN's backward is faster than kernels.flash_attention's
-two-kernel one (after the same Gluon forward, forward+backward 551-564 TFLOP/s against 439-455 from 32k to
-131k tokens), so `kernels=auto` uses it there
-for rows without packed documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
-(kernels/flash_attention_hopper.py: ahead of cuDNN's own from 8k to 131k tokens) wherever
-it runs, with its log-sum-exp turned into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward
-otherwise. Same contract as `kernels.reference.attention` (q [B, S, Hq, D], k and v
-[B, S, Hkv, D], GQA without repeating K/V) and the same attention-tape protocol as flash_attention: the
-forward records (out, lse); under a replaying tape the recomputation returns the recorded output and runs
-no forward kernel.
+On the H100 cuDNN's backward is faster than our Triton two-kernel one (docs/PERFORMANCE.md), so
+`kernels=auto` plans for it there (kernels/attention/route.py) and runs it for rows without packed documents.
+The forward is our warp-specialized Gluon kernel (kernels/attention/flash_attention_hopper.py, faster than
+cuDNN's own: docs/PERFORMANCE.md) where the route finds that it reads the inputs, with its log-sum-exp turned
+into cuDNN's statistics (natural log, [B, H, S, 1]); cuDNN's forward otherwise. Same contract as
+`kernels.reference.attention` (q [B, S, Hq, D], k and v [B, S, Hkv, D], GQA without repeating K/V) and the
+same attention-tape protocol as our kernels: the forward records (out, lse); under a replaying tape the
+recomputation returns the recorded output and runs no forward kernel.
 
 The aten ops take [B, H, S, D] views of our [B, S, H, D] tensors (transposes, no copies) and return the
 output laid out [B, S, H, D] in memory; dO must have the output's strides. Their backward adds dQ with
-atomics (not bit-identical run to run; `deterministic=true` runs flash_attention instead) and needs a
+atomics (not bit-identical run to run; `deterministic=true` runs our Triton backward instead) and needs a
 workspace of about two fp32 copies of dQ (`backward_workspace_bytes`, which the planner counts). Past
 MAX_WORKSPACE_BYTES (131k tokens of 32 heads of 128) the backward runs over groups of KV heads, each with its
 query heads: a KV head's gradients come only from its own query heads, so each group's dQ, dK and dV are
 final, and at 524k tokens the 16 GiB workspace of one call becomes 4 GiB per group.
 
-Rows of packed documents stay on kernels.flash_attention: torch 2.11's cuDNN ops for them
-(`_cudnn_attention_forward/backward` with cum_seq_q), tried with Llama-3's 32 query / 8 KV heads, ran the
-forward 11x slower than ours on 16 x 4k documents and returned wrong gradients (docs/BENCHMARKS.md).
+Rows of packed documents stay on our kernels: torch 2.11's cuDNN ops for them (`_cudnn_attention_forward/
+backward` with cum_seq_q), tried with Llama-3's 32 query / 8 KV heads, ran the forward far slower than ours
+and returned wrong gradients (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -30,8 +28,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels import attention_tape
-from kernels.attention_workspace import fewest_head_groups
+from kernels.attention import attention_tape
+from kernels.attention.attention_workspace import fewest_head_groups
 
 LN2 = math.log(2)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -82,11 +80,12 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
 
 class CudnnAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale):
+    def forward(ctx, q, k, v, causal: bool, softmax_scale, route):
+        """route: the call's AttentionRoute (kernels/attention/route.py), which says which forward runs."""
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         saved = attention_tape.replayed(q)      # a checkpoint's recomputation: the first forward's result
         if saved is None:
-            out, lse = _forward(q, k, v, causal, scale)
+            out, lse = _forward(q, k, v, causal, scale, route.forward_runs(q, k, v))
             attention_tape.record(out, lse)
         else:
             out, lse = saved
@@ -105,20 +104,21 @@ class CudnnAttentionFunction(torch.autograd.Function):
         batch, seqlen, q_heads, head_dim = q.shape
         groups = backward_head_groups(batch * seqlen, q_heads, k.shape[2], head_dim)
         if groups == 1:
-            return (*_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale), None, None)
+            return (*_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale), None, None, None)
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for group in range(groups):
             queries, keys = _group_heads(group, groups, q_heads), _group_heads(group, groups, k.shape[2])
             _backward_group_into(grads, queries, keys, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
-def _forward(q, k, v, causal: bool, scale: float):
-    """(out [B, S, H, D], cuDNN's softmax statistics [B, H, S, 1]) for cuDNN's backward."""
-    # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
-    # the process, which importing the dispatch (and so this module) must leave to the caller.
-    from kernels import flash_attention, flash_attention_hopper
-    if flash_attention_hopper.takes(q, k, v) and all(flash_attention.tma_compatible(t) for t in (q, k, v)):
+def _forward(q, k, v, causal: bool, scale: float, forward: str):
+    """(out [B, S, H, D], cuDNN's softmax statistics [B, H, S, 1]) for cuDNN's backward, by the Gluon kernel
+    (forward="gluon") or cuDNN's own ("cudnn")."""
+    if forward == "gluon":
+        # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
+        # the process, which importing the model (and so this module) must leave to the caller.
+        from kernels.attention import flash_attention, flash_attention_hopper
         flash_attention.check_shapes(q, k, v)     # the kernel reads K/V heads as Hq // Hkv: refuse what it cannot
         flash_attention.ensure_allocator(q.device)
         out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,
@@ -157,7 +157,8 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     return tuple(_heads_first(grad) for grad in grads)
 
 
-def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route, *, causal: bool = True,
                     softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention with the signature and layout of `kernels.reference.attention`, without cu_seqlens."""
-    return CudnnAttentionFunction.apply(q, k, v, causal, softmax_scale)
+    """Attention with the signature and layout of `kernels.reference.attention`, without cu_seqlens, on a route
+    whose backward is cuDNN's (kernels/attention/route.py; its forward_runs says which forward runs)."""
+    return CudnnAttentionFunction.apply(q, k, v, causal, softmax_scale, route)
