@@ -1,11 +1,11 @@
-"""Benchmark kernels.flash_attention against PyTorch's attention backends on one GPU.
+"""Benchmark our attention (kernels.attention.route.flash_attention) against PyTorch's attention backends on one GPU.
 
 Causal, B=1, 32 query heads, 8 KV heads, D=128, bf16, side by side in one run with
 scaled_dot_product_attention(enable_gqa=True) under FLASH_ATTENTION and CUDNN_ATTENTION, and
-torch.compile(flex_attention) with a causal block mask; and kernels.cudnn_attention (cuDNN's backward
+torch.compile(flex_attention) with a causal block mask; and kernels.attention.cudnn_attention (cuDNN's backward
 through the aten ops after our forward, which kernels=auto runs on Hopper). On Hopper "ours" and "auto"
-share the forward: kernels/flash_attention_hopper.py (Gluon, warp-specialized) for 16-bit inputs; "ours"
-has the one-pass Gluon backward there (kernels/flash_attention_hopper_backward.py; deterministic=True
+share the forward: kernels/attention/flash_attention_hopper.py (Gluon, warp-specialized) for 16-bit inputs; "ours"
+has the one-pass Gluon backward there (kernels/attention/flash_attention_hopper_backward.py; deterministic=True
 would run the Triton two-kernel one). TFLOP/s
 count causal FLOPs: forward 2*S^2*D per head, backward 2.5x that. Then the packed case: a pack of 16
 documents of 4k tokens against 16 separate 4k calls and against FlexAttention with a document-causal block
@@ -14,7 +14,7 @@ mask, and against ours and cuDNN's (with --peers cudnn) on the documents as a ba
     python scripts/bench_attention.py [--seqlens 8192 32768 65536 131072] [--peers cudnn] [--deterministic]
 
 Each length first times our first forward+backward call: autotuning and compiling, unless the tuning cache
-(kernels/tuning_cache.py, $LONGCTX_TUNING_CACHE) and Triton's compile cache already hold them.
+(kernels/attention/tuning_cache.py, $LONGCTX_TUNING_CACHE) and Triton's compile cache already hold them.
 TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
 
 The contenders of a case are timed in turn, round after round (`--rounds`, 5 by default), and each cell is
@@ -40,8 +40,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import cudnn_attention  # noqa: E402
-from kernels import flash_attention as fa  # noqa: E402
+from kernels.attention import cudnn_attention  # noqa: E402
+from kernels.attention import flash_attention as fa  # noqa: E402
+from kernels.attention.route import AttentionRoute, attention, flash_attention  # noqa: E402
 from scripts import gpu_clocks, step_profile  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -159,7 +160,7 @@ def first_call_seconds(q, k, v) -> float:
     """Wall time of our first forward+backward at this shape: tuning and compiling included."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    torch.autograd.grad(fa.flash_attention(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
+    torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -173,13 +174,13 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
             # the block mask is built without a dense S x S mask
             "flex": lambda: flex(create_block_mask(causal_mask, None, None, seqlen, seqlen, _compile=True))}
     names = {"flash": "sdpa FLASH_ATTENTION", "cudnn": "sdpa CUDNN_ATTENTION", "flex": "flex_attention compiled"}
-    contenders = [(f"S={seqlen} flash_attention (ours)", lambda q, k, v: fa.flash_attention(q, k, v, causal=True))]
+    contenders = [(f"S={seqlen} flash_attention (ours)", lambda q, k, v: flash_attention(q, k, v, causal=True))]
     if deterministic:   # what `deterministic=true` costs: the Triton two-kernel backward
         contenders.append((f"S={seqlen} ours, deterministic",
-                           lambda q, k, v: fa.flash_attention(q, k, v, causal=True, deterministic=True)))
+                           lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=True)))
     if cudnn_attention.available(inputs[0].device):   # what kernels=auto runs on this GPU
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
-                           lambda q, k, v: cudnn_attention.cudnn_attention(q, k, v)))
+                           lambda q, k, v: attention(q, k, v, AttentionRoute("gluon", "cudnn"))))
     contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]
     ran = measure(contenders, inputs, [seqlen], results, rounds, clocks, rep_ms)
     print("  tuned:", fa.tuned_configs(), flush=True)
@@ -209,12 +210,12 @@ def bench_packed(num_docs: int, doc_len: int, peers: list[str], results, rounds:
         return (q_idx >= kv_idx) & (doc_of[q_idx] == doc_of[kv_idx])
 
     def separate_calls(q, k, v):
-        return torch.cat([fa.flash_attention(q[:, s:s + doc_len], k[:, s:s + doc_len], v[:, s:s + doc_len])
+        return torch.cat([flash_attention(q[:, s:s + doc_len], k[:, s:s + doc_len], v[:, s:s + doc_len])
                           for s in range(0, total, doc_len)], dim=1)
     block_mask = create_block_mask(document_causal, None, None, total, total, _compile=True)
-    contenders = [("packed ours cu_seqlens", lambda q, k, v: fa.flash_attention(q, k, v, cu_seqlens=cu_seqlens)),
+    contenders = [("packed ours cu_seqlens", lambda q, k, v: flash_attention(q, k, v, cu_seqlens=cu_seqlens)),
                   (f"ours {num_docs} separate calls", separate_calls),
-                  (f"ours as a batch of {num_docs}", as_batch(lambda q, k, v: fa.flash_attention(q, k, v), num_docs))]
+                  (f"ours as a batch of {num_docs}", as_batch(lambda q, k, v: flash_attention(q, k, v), num_docs))]
     if "cudnn" in peers:
         contenders.append((f"sdpa cuDNN as a batch of {num_docs}",
                            as_batch(sdpa(SDPBackend.CUDNN_ATTENTION), num_docs)))

@@ -62,7 +62,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
         cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
     validate(cfg)
-    kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
+    kernels.set_backend(cfg.kernels)
     device = torch.device("cuda")
     built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan
@@ -128,7 +128,8 @@ def main() -> None:
     parser.add_argument("--train", choices=("lora", "full"), default="lora",
                         help="full: every parameter (issue 6; the planner picks train.full_state)")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
-    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU time by kind (scripts/step_profile.py)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the last step: its top CUDA kernels, GPU time by kind (scripts/step_profile.py)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
 

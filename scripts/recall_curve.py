@@ -53,11 +53,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.dispatch import attention_records  # noqa: E402
+from kernels.attention import choose_route  # noqa: E402
 from trainer.build import architecture  # noqa: E402
 from trainer.console import RUN_LOG  # noqa: E402
 from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
@@ -132,9 +133,9 @@ def fast_settings(layers: int, on_cuda: bool, head_dim: int, kernels: str | None
     offloaded, attention outputs kept and FULL_LAYERS full layers (these two only where the Triton attention
     runs: the trainer refuses them for the reference attention, which records nothing for them)."""
     if kernels is None:
-        kernels = "triton" if on_cuda and attention_records("triton", "cuda", head_dim) else "auto"
+        kernels = "triton" if on_cuda and choose_route(torch.device("cuda"), head_dim, "triton").records else "auto"
     memory = [f"memory.gpu_layers={layers // 2}", "memory.offload=true"]
-    if attention_records(kernels, "cuda" if on_cuda else "cpu", head_dim):
+    if choose_route(torch.device("cuda" if on_cuda else "cpu"), head_dim, kernels).records:
         # full layers only among the GPU-kept ones below the top one, so one layer input on the GPU stays
         # checkpointed with its attention output kept
         full = max(0, min(FULL_LAYERS, layers // 2 - 1))

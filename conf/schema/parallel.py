@@ -24,7 +24,7 @@ class ParallelConfig:
 
 def heads_split(q_heads: int, kv_heads: int, degree: int) -> bool:
     """Whether Ulysses can shard these heads over `degree` ranks: the query heads evenly, the KV heads
-    evenly or repeated evenly (kernels.sequence_parallel)."""
+    evenly or repeated evenly (kernels.attention.sequence_parallel)."""
     return q_heads % degree == 0 and (kv_heads % degree == 0 or degree % kv_heads == 0)
 
 

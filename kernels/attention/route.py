@@ -120,10 +120,9 @@ def choose_route(device: torch.device, head_dim: int, backend: str, deterministi
         return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group)
     hopper = runs_hopper_code(device) if planned_hopper is None or torch.cuda.is_available() else planned_hopper
     forward = "gluon" if hopper else "triton"
-    cudnn_runs = (cudnn_attention.available(device) if planned_hopper is None
-                  else device.type == "cuda" and planned_hopper)
-    backward = "cudnn" if falls_back and not deterministic and cudnn_runs and cudnn_fits else "triton"
-    return AttentionRoute(forward, backward, deterministic, falls_back, sequence_group)
+    cudnn = falls_back and not deterministic and cudnn_fits and (
+        cudnn_attention.available(device) if planned_hopper is None else device.type == "cuda" and planned_hopper)
+    return AttentionRoute(forward, "cudnn" if cudnn else "triton", deterministic, falls_back, sequence_group)
 
 
 def candidates(device: torch.device, head_dim: int, backend: str, deterministic: bool = False,
