@@ -1,4 +1,4 @@
-"""kernels.cudnn_attention's backward over groups of KV heads, on any device: the cuDNN call is replaced by
+"""kernels.attention.cudnn_attention's backward over groups of KV heads, on any device: the cuDNN call is replaced by
 the reference attention's gradients, so what is tested is the grouping (which query heads go with which KV
 heads, the statistics' slices, the copies into the whole gradients) against one call over every head."""
 import weakref
@@ -6,7 +6,10 @@ import weakref
 import pytest
 import torch
 
-from kernels import cudnn_attention, reference
+from kernels import reference
+from kernels.attention import attention_workspace, cudnn_attention, route
+
+CUDNN = route.AttentionRoute("triton", "cudnn")    # cuDNN's own forward (the stand-in below) and backward
 
 
 def _reference_backward(grad_out, q, k, v, out, lse, causal, scale):
@@ -40,7 +43,7 @@ def test_grouped_backward_equals_one_call(monkeypatch, batch, q_heads, kv_heads,
     monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", cap_elements)
     groups = cudnn_attention.backward_head_groups(batch * seqlen, q_heads, kv_heads, head_dim)
     assert 1 < groups <= kv_heads and kv_heads % groups == 0
-    grads = torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v), (q, k, v), grad_out)
+    grads = torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v, CUDNN), (q, k, v), grad_out)
     for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
         assert actual.shape == wanted.shape and not torch.isnan(actual).any(), name
         assert float((actual - wanted).norm() / wanted.norm()) < 1e-6, name
@@ -75,22 +78,20 @@ def test_a_groups_gradients_are_freed_before_the_next_group_runs(monkeypatch):
     q = torch.randn(1, 24, 8, 16, requires_grad=True)
     k, v = (torch.randn(1, 24, 4, 16, requires_grad=True) for _ in range(2))
     assert cudnn_attention.backward_head_groups(24, 8, 4, 16) == 4
-    torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v), (q, k, v), torch.randn(1, 24, 8, 16))
+    torch.autograd.grad(cudnn_attention.cudnn_attention(q, k, v, CUDNN), (q, k, v), torch.randn(1, 24, 8, 16))
     assert len(returned) == 3 * 4
 
 
 @pytest.mark.parametrize("tokens", [1, 4096, 32768, 131072, 262144, 524288, 4 * 2**20])
 def test_the_one_pass_backward_fits_the_cudnn_workspace_of_llama3(tokens):
-    """kernels.dispatch runs flash_attention's one-pass backward only under plans that count cuDNN's workspace
-    and where its fp32 dQ accumulator (one call's, over head groups) fits that: always with 8 KV heads."""
-    from kernels import attention_workspace, dispatch
+    """The route runs our one-pass backward only under plans that count cuDNN's workspace and where its fp32 dQ
+    accumulator (one call's, over head groups) fits that: always with 8 KV heads."""
     one_pass = attention_workspace.one_pass_workspace_bytes(tokens, 32, 8, 128)
     assert 0 < one_pass <= attention_workspace.ONE_PASS_MAX_BYTES or tokens == 4 * 2**20
-    assert dispatch.one_pass_fits_cudnn_plan(tokens, 32, 8, 128, 2)
+    assert route.one_pass_fits_cudnn_plan(tokens, 32, 8, 128, 2)
 
 
 def test_the_one_pass_backward_can_outgrow_the_cudnn_workspace_with_three_kv_heads():
     """3 KV heads: cuDNN's 6 GiB splits in 3 groups of 2, the one-pass 3 GiB stays one call: it does not fit."""
-    from kernels import attention_workspace, dispatch
     assert attention_workspace.one_pass_workspace_bytes(524288, 12, 3, 128) == 3 * 2**30
-    assert not dispatch.one_pass_fits_cudnn_plan(524288, 12, 3, 128, 2)
+    assert not route.one_pass_fits_cudnn_plan(524288, 12, 3, 128, 2)

@@ -1,4 +1,5 @@
-"""kernels.flash_attention against kernels.reference.attention: forward and every gradient.
+"""Our attention (kernels/attention/: route.flash_attention) against kernels.reference.attention: forward and
+every gradient.
 
 CPU tests run the kernels through Triton's interpreter (fp32/fp16 only: the interpreter computes tl.dot on
 bf16 operands wrongly) on small odd shapes. GPU tests run the compiled kernels in bf16 against the fp32
@@ -17,9 +18,10 @@ import threading
 import pytest
 import torch
 
-from kernels import attention_tape, reference
-from kernels.attention_tape import AttentionTape
-from kernels.flash_attention import flash_attention
+from kernels import reference
+from kernels.attention import attention_tape
+from kernels.attention.attention_tape import AttentionTape
+from kernels.attention.route import AttentionRoute, flash_attention
 
 CUDA = torch.cuda.is_available()
 interpreted = conftest_kernels.needs_interpreter
@@ -168,10 +170,10 @@ def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change(monkeyp
     """Checking cu_seqlens reads it to the host (on a GPU, a wait for all queued work): each layer of a step
     passes the same tensor, so it is checked, and its document bounds built, once; an in-place change is
     checked again, and a bad value still raises."""
-    import kernels.flash_attention as flash
+    from kernels.attention import function
     checks = []
-    original = flash.check_cu_seqlens
-    monkeypatch.setattr(flash, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
+    original = function.check_cu_seqlens
+    monkeypatch.setattr(function, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
     q, k, v = _inputs(1, 24, 2, 1, 64, torch.float32)
     cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
     first = flash_attention(q, k, v, cu_seqlens=cu_seqlens)
@@ -189,10 +191,10 @@ def test_cu_seqlens_are_checked_once_per_tensor_and_again_after_a_change(monkeyp
 @interpreted
 def test_inference_mode_cu_seqlens_are_checked_in_every_call(monkeypatch):
     """An inference-mode tensor has no version counter to tell an in-place change by: never cached."""
-    import kernels.flash_attention as flash
+    from kernels.attention import function
     checks = []
-    original = flash.check_cu_seqlens
-    monkeypatch.setattr(flash, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
+    original = function.check_cu_seqlens
+    monkeypatch.setattr(function, "check_cu_seqlens", lambda *args: checks.append(1) or original(*args))
     q, k, v = _inputs(1, 24, 2, 1, 64, torch.float32)
     with torch.inference_mode():
         cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
@@ -208,17 +210,18 @@ def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     """Past TUNE_MAX_SEQLEN the tuning key stops growing, and the configs are tuned on a prefix of that
     length (seconds) instead of on the whole sequence (minutes at 524k); documents crossing the prefix
     end are cut there."""
-    import kernels.flash_attention as flash
-    monkeypatch.setattr(flash, "TUNE_MAX_SEQLEN", 16)
-    monkeypatch.setattr(flash, "_tuned_on_prefix", set())
+    from kernels.attention import flash_attention as flash, function
+    for module in (flash, function):
+        monkeypatch.setattr(module, "TUNE_MAX_SEQLEN", 16)
+    monkeypatch.setattr(function, "_tuned_on_prefix", set())
     assert flash._seq_bucket(9) == 16 and flash._seq_bucket(40) == 16
     q, k, v = (t.detach() for t in _inputs(1, 40, 2, 1, 64, torch.float32))
-    doc_start, doc_end = flash._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
-    flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, True, "key")
-    assert flash._tuned_on_prefix == {"key"}
-    monkeypatch.setattr(flash, "triton_interpreting", lambda: False)
-    assert not flash._needs_prefix_tuning(40, "key") and flash._needs_prefix_tuning(40, "other")
-    assert not flash._needs_prefix_tuning(16, "other")
+    doc_start, doc_end = function._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
+    function._tune_on_prefix(AttentionRoute(), q, k, v, doc_start, doc_end, True, 0.125, "key")
+    assert function._tuned_on_prefix == {"key"}
+    monkeypatch.setattr(function, "triton_interpreting", lambda: False)
+    assert not function._needs_prefix_tuning(40, "key") and function._needs_prefix_tuning(40, "other")
+    assert not function._needs_prefix_tuning(16, "other")
 
 @interpreted
 def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
@@ -288,7 +291,7 @@ def test_a_pending_entry_is_resolved_by_the_call_that_replays_it():
 def test_one_pass_statistics_are_padded_to_aligned_rows():
     """The one-pass backward reads each head's lse and delta rows by TMA, from 16-byte aligned addresses: at a
     length that is not a multiple of 4 floats they are copied with zero-padded rows; otherwise left as they are."""
-    from kernels.flash_attention_hopper_backward import STATS_ALIGN, _aligned_statistics
+    from kernels.attention.flash_attention_hopper_backward import STATS_ALIGN, _aligned_statistics
     lse, delta = torch.randn(2, 3, 65), torch.randn(2, 3, 65)
     padded_lse, padded_delta = _aligned_statistics(lse, delta)
     for padded, original in ((padded_lse, lse), (padded_delta, delta)):
@@ -304,7 +307,7 @@ def test_the_hopper_forward_reads_rows_of_heads_and_launches_once_per_run_of_row
     """The persistent Gluon forward reads q, k, v as [B * S, a token's heads] views: [B, S, H, D] layouts (heads
     apart or not) fit, [B, H, S, D] ones do not (the Triton forward takes them). Batch rows one after another
     go in one launch; rows apart, one launch each, on views of the output and statistics, not copies."""
-    from kernels import flash_attention_hopper
+    from kernels.attention import flash_attention_hopper
     tokens_first = torch.empty(2, 9, 4, 16)
     heads_apart = torch.empty(2, 9, 4, 32)[..., :16]
     heads_first = torch.empty(2, 4, 9, 16).transpose(1, 2)
@@ -335,7 +338,7 @@ def test_runs_after_kernels_and_model_were_imported():
         f"sys.path.insert(0, {tests_dir!r}); import conftest_kernels\n"
         "kernels.set_backend('triton')\n"
         "q = torch.randn(1, 5, 2, 64, requires_grad=True)\n"
-        "out = kernels.attention(q, q.detach()[:, :, :1], q.detach()[:, :, 1:])\n"
+        "out = kernels.attention.attention(q, q.detach()[:, :, :1], q.detach()[:, :, 1:])\n"
         "out.sum().backward(); assert not q.grad.isnan().any(); print('ok')\n")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(tests_dir)}
     env.pop("TRITON_INTERPRET")
@@ -441,7 +444,7 @@ def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q
     """The one-pass Gluon backward (the default on Hopper) against the fp32 reference, no worse than the Triton
     two-kernel one (deterministic=True), over gradients' buffers poisoned with NaN; with a workspace cap that
     splits it over groups of KV heads too."""
-    from kernels import attention_workspace
+    from kernels.attention import attention_workspace
     if groups > 1:
         whole = 4 * batch * seqlen * q_heads * head_dim
         monkeypatch.setattr(attention_workspace, "ONE_PASS_MAX_BYTES", whole // groups)
@@ -475,7 +478,7 @@ def test_gpu_one_pass_backward_where_every_logit_is_very_negative(monkeypatch, c
 
 
 def _check_one_pass_backward(monkeypatch, q, k, v, causal, cu_seqlens):
-    from kernels import flash_attention_hopper_backward
+    from kernels.attention import flash_attention_hopper_backward
     calls = []
     original = flash_attention_hopper_backward.attention_backward
     monkeypatch.setattr(flash_attention_hopper_backward, "attention_backward",
@@ -501,10 +504,10 @@ def _check_one_pass_backward(monkeypatch, q, k, v, causal, cu_seqlens):
 @gpu
 def test_gpu_compiled_code_is_the_architectures():
     """Hopper: TMA tile moves and wgmma products, the forward and the one-pass backward in warp-specialized
-    Gluon kernels (setmaxnreg hands registers from their load warp to the others). Under TRITON_OVERRIDE_ARCH=sm80 (the process runs
-    the code an A100 compiles): the Triton forward, no TMA, no wgmma, mma.sync products."""
-    import kernels.flash_attention as flash
-    from kernels import flash_attention_hopper, flash_attention_hopper_backward
+    Gluon kernels (setmaxnreg hands registers from their load warp to the others). Under
+    TRITON_OVERRIDE_ARCH=sm80 (the process runs the code an A100 compiles): the Triton forward, no TMA, no
+    wgmma, mma.sync products."""
+    from kernels.attention import flash_attention as flash, flash_attention_hopper, flash_attention_hopper_backward
     device = torch.cuda.current_device()
 
     def compiled(fn):
@@ -517,7 +520,8 @@ def test_gpu_compiled_code_is_the_architectures():
         torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), torch.randn_like(q))
     ptx = [code for tuned in flash._TUNED.values() for code in compiled(tuned.fn)]
     a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
-    hopper = compiled(flash_attention_hopper._attn_fwd_kernel) + compiled(flash_attention_hopper_backward._attn_bwd_kernel)
+    hopper = (compiled(flash_attention_hopper._attn_fwd_kernel)
+              + compiled(flash_attention_hopper_backward._attn_bwd_kernel))
     if torch.cuda.get_device_capability()[0] == 9 and not a100:
         # dq and dk/dv in Triton (deterministic), the forward and the one-pass backward in Gluon
         assert len(ptx) >= 2 and len(hopper) == 2
@@ -551,8 +555,7 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
                                                        causal, dtype, packed, layout):
     """The Gluon forward against the fp32 reference, no worse than the Triton forward it replaces, with the
     same log-sum-exp (which the backwards read), over a poisoned output buffer."""
-    import kernels.flash_attention as flash
-    from kernels import flash_attention_hopper
+    from kernels.attention import flash_attention as flash, flash_attention_hopper, function
     torch.manual_seed(seqlen)
     wider = {"contiguous": (seqlen, head_dim), "heads apart": (seqlen, 2 * head_dim),
              "rows apart": (seqlen + 123, head_dim)}[layout]
@@ -561,8 +564,8 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
     assert flash_attention_hopper.reads_as_rows(q, k, v)
     cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(2)).cuda() if packed else None
     ref = reference.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens=cu_seqlens)
-    folded = [flash._fold_batch(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"))] if packed else [q, k, v]
-    bounds = flash._document_bounds(cu_seqlens, batch * seqlen) if packed else (None, None)
+    folded = [function._fold_batch(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"))] if packed else [q, k, v]
+    bounds = function._document_bounds(cu_seqlens, batch * seqlen) if packed else (None, None)
     flash.ensure_allocator(q.device)
     scale = head_dim ** -0.5
     # NaN in the blocks the caching allocator hands out next: the output's and the statistics' buffers
@@ -571,8 +574,7 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
     del poison
     out, lse = flash_attention_hopper.attention_forward(*folded, *bounds, causal, scale * flash.LOG2E)
     assert not torch.isnan(lse).any()
-    monkeypatch.setattr(flash_attention_hopper, "supports", lambda q: False)
-    triton_out, triton_lse = flash._attention_forward(*folded, *bounds, causal, scale)
+    triton_out, triton_lse = flash.forward(*folded, *bounds, causal, scale)
     ours, triton_err = _rel_err(out.view_as(ref), ref), _rel_err(triton_out.view_as(ref), ref)
     print(f"out error: Gluon {ours:.2e}, Triton {triton_err:.2e}")
     assert ours <= 1.05 * triton_err + 1e-6
@@ -592,8 +594,7 @@ def test_gpu_hopper_forward_gives_the_same_bits_in_either_order_of_work_items(mo
     """Work items KV head by KV head (runs of blocks in alternating directions), as long rows take them, or
     heads fastest: each item is computed alone, so the outputs and statistics are the same bits, and none is
     NaN although the memory they are written to held NaN (an item left out would leave it there)."""
-    import kernels.flash_attention as flash
-    from kernels import flash_attention_hopper
+    from kernels.attention import flash_attention as flash, flash_attention_hopper
     torch.manual_seed(seqlen)
     q, k, v = (t.detach() for t in _inputs(batch, seqlen, q_heads, kv_heads, head_dim, torch.bfloat16, "cuda"))
     flash.ensure_allocator(q.device)

@@ -324,13 +324,13 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     """With attention outputs kept (on the device or the host) the backward's recomputation runs no attention
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
     attention (interpreted on CPU) is the one that records; head dim 64 is a size it supports."""
-    import kernels.flash_attention as flash
+    from kernels.attention import function
     kernels.set_backend("triton")
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
-    forward_kernel, launched = flash._attention_forward, []
-    monkeypatch.setattr(flash, "_attention_forward", lambda *a: launched.append(1) or forward_kernel(*a))
+    forward_kernel, launched = function._forward, []
+    monkeypatch.setattr(function, "_forward", lambda *a: launched.append(1) or forward_kernel(*a))
     policy = apply_memory_policy(model, placements, 2, torch.device("cpu"), attention=attention)
     assert_same(reference, loss_and_grads(model, input_ids, labels))
     assert len(launched) == launches == 4 + planned_backward_forwards(model, 24, policy)
@@ -344,13 +344,13 @@ def traced_step(monkeypatch, attention=None):
     autograd: the policy, the step's events in order (each attention forward kernel, each layer's forward as
     "layer i", the host buffer of each copy back to the device) and the planner's count of the backward's
     attention forwards for that layout."""
-    import kernels.flash_attention as flash
+    from kernels.attention import function
     kernels.set_backend("triton")
     model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
-    events, forward_kernel = [], flash._attention_forward
-    monkeypatch.setattr(flash, "_attention_forward", lambda *a: events.append("attention") or forward_kernel(*a))
+    events, forward_kernel = [], function._forward
+    monkeypatch.setattr(function, "_forward", lambda *a: events.append("attention") or forward_kernel(*a))
     policy = apply_memory_policy(model, ["gpu", "host", "recompute", "host"], 2, torch.device("cpu"),
                                  attention=attention)
     for index, layer in enumerate(model.get_base_model().model.layers):
@@ -459,12 +459,15 @@ def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer
 ], ids=["checkpointed", "with-full-layers", "rebuilt-attention", "full-top-embedding"])
 @pytest.mark.parametrize("attention_kernel", ["flash", "cudnn"])
 def test_policy_matches_plain_autograd_on_cuda(placements, attention, attention_kernel):
-    from kernels import cudnn_attention
-    if attention_kernel == "cudnn" and not cudnn_attention.available(torch.device("cuda")):
+    from kernels.attention import choose_route
+    from trainer.build import install_attention_route
+    route = choose_route(torch.device("cuda"), 64, "auto", cudnn_fits=attention_kernel == "cudnn")
+    if route.plan_kernel != attention_kernel:
         pytest.skip("cuDNN attention is offered on Hopper GPUs only")
-    kernels.set_backend("auto", attention_kernel)
+    kernels.set_backend("auto")
     # head_dim 64: a size the Triton attention supports
     model = lora_model(device="cuda", dtype=torch.bfloat16, shape={**TINY, "hidden_size": 256})
+    install_attention_route(model, route)
     input_ids, labels = batch(seqlen=512, device="cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     reference = loss_and_grads(model, input_ids, labels, autocast=autocast)
@@ -509,7 +512,7 @@ def test_a_full_top_layer_raises_the_peak_by_at_most_one_activation(device, seql
     is the one activation of difference allowed), so the step's peak stays where the planner puts a
     checkpointed layer's backward. The vocabulary is tiny, so the loss is no peak here. On the CPU the
     Triton kernels run interpreted and the profiler's memory events give the peak."""
-    kernels.set_backend("triton" if device == "cpu" else "auto", "flash")
+    kernels.set_backend("triton" if device == "cpu" else "auto")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = {**TINY, "hidden_size": hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": 1}
     model = lora_model(device=device, dtype=dtype, shape=shape)

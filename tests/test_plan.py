@@ -10,6 +10,7 @@ import torch
 
 from conf.errors import ConfigError
 from conf.schema.memory import MemoryConfig, check_memory
+from kernels.attention import candidates
 from model import LlamaConfig
 from offload.byte_model import (Capacity, full_layer_bytes, loss_bytes, parameter_counts, pinned_size,
                                 top_layer_full_costs_nothing, transient_bytes)
@@ -27,6 +28,8 @@ H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
 # The H100 machine as the planner sees it (3/4 of its host pinnable): 23 layer inputs and 1.75 GiB more.
 H100_MACHINE = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=int(93.75 * GIB))
 CUDA = torch.device("cuda")
+# What the planner tries for kernels=auto on a Hopper GPU: cuDNN's backward, then ours.
+HOPPER_ROUTES = candidates(CUDA, 128, "auto", planned_hopper=True)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -393,41 +396,38 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
 def test_plan_script_plans_for_a_named_gpu(overrides, usable):
     result = run_plan_script("model=llama3_8b", "seq_len=131072", "device=cuda", *overrides)
     assert result.returncode == 0 and usable in result.stdout, result.stdout + result.stderr
-    assert f"attention kernel {'cudnn' if 'memory.gpu=h200' in overrides else 'flash'}" in result.stdout
+    assert f"forward and {'cudnn' if 'memory.gpu=h200' in overrides else 'triton'} backward" in result.stdout
 
 
 def test_cudnn_attention_is_planned_with_its_backward_workspace():
     """cuDNN's attention comes first where offered; its backward workspace (two fp32 copies of dQ) is in
     the transient, so the plan keeps less on the GPU than the flash plan of the same job."""
-    from kernels import cudnn_attention
-    cudnn = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 131072, 1, CUDA, H100_HOST,
-                        attention_kernels=("cudnn", "flash"))
+    from kernels.attention import cudnn_attention
+    cudnn = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 131072, 1, CUDA, H100_HOST, attention_routes=HOPPER_ROUTES)
     flash = plan(131072)
     assert cudnn.fits and cudnn.attention_kernel == "cudnn" and flash.attention_kernel == "flash"
     workspace = cudnn_attention.backward_workspace_bytes(131072, 32, 8, 128)
     assert workspace == 4 * GIB
     assert cudnn.gpu["attention stats+workspace"] == flash.gpu["attention statistics"] + workspace
     assert cudnn.kept_attention("gpu") < flash.kept_attention("gpu")
-    assert "attention kernel cudnn" in cudnn.describe()
+    assert f"attention {HOPPER_ROUTES[0].describe()}" in cudnn.describe()
 
 
 def test_cudnn_runs_524k_over_head_groups_and_the_planner_falls_back_to_flash_where_it_does_not_fit():
     """At 524k tokens one cuDNN backward call would take a 16 GiB workspace; over 4 groups of 2 KV heads
     it takes 4 GiB plus a group's gradients, and the H100 plan keeps cuDNN. On a GPU 8 GiB smaller only the
     flash plan fits, and the planner takes it."""
-    from kernels import cudnn_attention
+    from kernels.attention import cudnn_attention
     assert cudnn_attention.backward_head_groups(524288, 32, 8, 128) == 4
-    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST,
-                         attention_kernels=("cudnn", "flash"))
+    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, H100_HOST, attention_routes=HOPPER_ROUTES)
     group_grads = 524288 * (32 + 2 * 8) // 4 * 128 * 2
     assert chosen.fits and chosen.attention_kernel == "cudnn"
     assert chosen.gpu["attention stats+workspace"] == 2 * 524288 * 32 * 4 + 4 * GIB + group_grads
     smaller = Capacity(gpu=H100_HOST.gpu - 8 * GIB, host=H100_HOST.host, pinnable=H100_HOST.pinnable)
-    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, smaller,
-                         attention_kernels=("cudnn", "flash"))
-    assert chosen.fits and chosen.attention_kernel == "flash"
+    chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, smaller, attention_routes=HOPPER_ROUTES)
+    assert chosen.fits and chosen.attention_kernel == "flash" and chosen.attention_route == HOPPER_ROUTES[1]
     assert not plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 524288, 1, CUDA, smaller,
-                           attention_kernels=("cudnn",)).fits
+                           attention_routes=HOPPER_ROUTES[:1]).fits
 
 
 @pytest.mark.parametrize("overrides, message", [

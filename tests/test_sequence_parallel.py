@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
 from data import Batch  # noqa: E402
-from kernels.sequence_parallel import check_heads  # noqa: E402
+from kernels.attention import choose_route  # noqa: E402
+from kernels.attention.sequence_parallel import check_heads  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from tests.gloo_support import run_two_ranks  # noqa: E402
-from trainer.build import apply_lora  # noqa: E402
+from trainer.build import apply_lora, install_attention_route  # noqa: E402
 from trainer.distributed import World, world_of  # noqa: E402
 from trainer.step import train_step  # noqa: E402
 
@@ -72,7 +73,8 @@ def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
         # as micro-batches (accumulation equals one larger batch).
         whole = mine if sequence == 2 else [_batch(seed=1), _batch(seed=2)]
         expected, expected_grads = _step(model, whole, World.single())
-        kernels.set_sequence_parallel(world.sequence_group if sequence > 1 else None)
+        group = world.sequence_group if sequence > 1 else None
+        install_attention_route(model, choose_route(torch.device("cpu"), 16, "reference", sequence_group=group))
         result, grads = _step(model, mine, world)
         assert result.supervised == expected.supervised and result.tokens == expected.tokens
         assert abs(result.loss - expected.loss) <= 1e-6 * abs(expected.loss), (result.loss, expected.loss)
@@ -83,7 +85,6 @@ def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
         failures.put(f"rank {rank}: {type(error).__name__}: {error}")
         raise
     finally:
-        kernels.set_sequence_parallel(None)
         dist.destroy_process_group()
 
 

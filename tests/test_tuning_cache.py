@@ -1,4 +1,4 @@
-"""kernels.tuning_cache: autotuning choices on disk; a stale, foreign or corrupt entry is never trusted.
+"""kernels.attention.tuning_cache: autotuning choices on disk; a stale, foreign or corrupt entry is never trusted.
 
 The cache logic runs on the CPU; the hook is driven the way Triton's Autotuner.run drives it when a tuning
 key is not yet in memory (check_disk_cache with the key, the candidates and the benchmark to run).
@@ -11,7 +11,7 @@ import pytest
 import triton
 from triton.runtime.jit import JITFunction
 
-from kernels import tuning_cache
+from kernels.attention import tuning_cache
 
 CANDIDATES = [triton.Config({"BLOCK": 64}, num_warps=4, num_stages=3),
               triton.Config({"BLOCK": 128}, num_warps=8, num_stages=2)]
