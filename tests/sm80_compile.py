@@ -1,5 +1,6 @@
 """Compile every Triton kernel of kernels/ for the A100 (sm_80), and the Gluon Hopper forward and backward
-(kernels/flash_attention_hopper*.py, which only Hopper runs) for sm_90a, on any machine: no GPU, no CUDA driver.
+(kernels/attention/flash_attention_hopper*.py, which only Hopper runs) for sm_90a, on any machine:
+no GPU, no CUDA driver.
 
 Triton's wheel carries everything its NVIDIA backend needs (libtriton's MLIR/LLVM passes, libdevice, ptxas),
 so `triton.compile` with an explicit GPUTarget("cuda", 80, 32) runs down to a cubin on a CPU-only host. It
@@ -36,11 +37,11 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 import kernels  # noqa: E402
 
-# By module path: kernels/__init__.py binds some of these names to the ops (functions) instead.
-(_row_norm, adamw_update, fa, fa_hopper, fa_hopper_backward, layer_norm, linear_cross_entropy, rms_norm, rope,
- swiglu) = (importlib.import_module(f"kernels.{name}") for name in
-            ("_row_norm", "adamw_update", "flash_attention", "flash_attention_hopper",
-             "flash_attention_hopper_backward", "layer_norm", "linear_cross_entropy", "rms_norm", "rope", "swiglu"))
+(_row_norm, adamw_update, fa, fa_kernels, fa_hopper, fa_hopper_backward, layer_norm, linear_cross_entropy, rms_norm,
+ rope, swiglu) = (importlib.import_module(f"kernels.{name}") for name in
+                  ("_row_norm", "adamw_update_triton", "attention.flash_attention", "attention.triton_kernels",
+                   "attention.flash_attention_hopper", "attention.flash_attention_hopper_backward", "layer_norm_triton",
+                   "linear_cross_entropy_triton", "rms_norm_triton", "rope_triton", "swiglu_triton"))
 
 A100 = GPUTarget("cuda", 80, 32)
 H100 = GPUTarget("cuda", 90, 32)
@@ -88,7 +89,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
     configuration also without, as a launch at an odd length is compiled. Both matter: ptxas crashed on a
     Hopper backward only with its length aligned, and the sm_80 attention kernels take more shared memory
     aligned (docs/BENCHMARKS.md)."""
-    odd_lengths = [fa._attn_fwd_kernel, fa._attn_bwd_dq_kernel, fa._attn_bwd_dkdv_kernel,
+    odd_lengths = [fa_kernels._attn_fwd_kernel, fa_kernels._attn_bwd_dq_kernel, fa_kernels._attn_bwd_dkdv_kernel,
                    fa_hopper._attn_fwd_kernel, fa_hopper_backward._attn_bwd_kernel]
     jobs = _jobs(all_configs)
     return ([(*job, True) for job in jobs]
@@ -99,12 +100,12 @@ def _jobs(all_configs: bool) -> list[tuple]:
     norm_backward = dict(BLOCK_H=NORM_BLOCK, CENTERED=True, COMPUTE_DX=True, COMPUTE_DW=True, COMPUTE_DB=True)
     stats = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "db_partial_ptr": "*fp32"}
     return [
-        *_attention(fa._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
-        *_attention(fa._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
-        *_attention(fa._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
+        *_attention(fa_kernels._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
+        *_attention(fa_kernels._attn_bwd_dq_kernel, fa._DQ_CONFIGS, all_configs),
+        *_attention(fa_kernels._attn_bwd_dkdv_kernel, fa._DKDV_CONFIGS, all_configs),
         *_hopper_forward(all_configs),
         *_hopper_backward(all_configs),
-        (fa._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
+        (fa_kernels._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
         (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
          {"eps": "fp32"}),
         (layer_norm._layer_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK, "HAS_BIAS": True},
@@ -123,10 +124,10 @@ def _jobs(all_configs: bool) -> list[tuple]:
 
 
 def project_kernels() -> set[str]:
-    """Every launched @triton.jit function (named *_kernel) defined in a module of kernels/."""
+    """Every launched @triton.jit function (named *_kernel) defined in a module of kernels/ or its subpackages."""
     found = set()
-    for module_info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{module_info.name}")
+    for module_info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        module = importlib.import_module(module_info.name)
         for value in vars(module).values():
             if (isinstance(value, JITFunction) and value.__name__.endswith("_kernel")
                     and value.fn.__module__ == module.__name__):
@@ -135,7 +136,7 @@ def project_kernels() -> set[str]:
 
 
 def _is_pointer(fn, name: str) -> bool:
-    return name.endswith("_ptr") or (name.isupper() and fn.__module__ in (fa.__name__, fa_hopper.__name__,
+    return name.endswith("_ptr") or (name.isupper() and fn.__module__ in (fa_kernels.__name__, fa_hopper.__name__,
                                                                            fa_hopper_backward.__name__))
 
 

@@ -1,13 +1,19 @@
-"""kernels.cudnn_attention on a Hopper GPU: the reference's contract in bf16, the attention tape, the
-dispatch that sends unpacked rows to it, and the backward workspace the planner counts. Skipped elsewhere."""
+"""kernels.attention.cudnn_attention on a Hopper GPU: the reference's contract in bf16, the attention tape, the
+route that sends unpacked rows to it, and the backward workspace the planner counts. Skipped elsewhere."""
 import os
 
 import pytest
 import torch
 
 import kernels
-from kernels import attention_tape, cudnn_attention, flash_attention, flash_attention_hopper, reference
-from kernels.attention_tape import AttentionTape
+from kernels import reference
+from kernels.attention import (attention, attention_tape, choose_route, cudnn_attention, flash_attention,
+                               flash_attention_hopper)
+from kernels.attention.attention_tape import AttentionTape
+from kernels.attention.route import AttentionRoute
+from kernels.attention.route import flash_attention as ours
+
+CUDNN = AttentionRoute("gluon", "cudnn")      # cuDNN's backward after the Gluon forward where it reads the inputs
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cudnn_attention.available(torch.device("cuda"))),
                                 reason="needs a Hopper GPU with cuDNN")
@@ -19,6 +25,10 @@ TOLERANCE = 5e-3
 def restore_backend():
     yield
     kernels.set_backend("auto")
+
+
+def cudnn(q, k, v):
+    return attention(q, k, v, CUDNN)
 
 
 def _rel_err(actual, expected):
@@ -37,7 +47,7 @@ def _inputs(seqlen, q_heads=32, kv_heads=8, head_dim=128, seed=0):
     (4096, 32, 8, 128, True), (1000, 8, 2, 64, True), (777, 4, 4, 128, False)])
 def test_matches_the_fp32_reference(seqlen, q_heads, kv_heads, head_dim, causal):
     q, k, v = _inputs(seqlen, q_heads, kv_heads, head_dim)
-    out = cudnn_attention.cudnn_attention(q, k, v, causal=causal)
+    out = attention(q, k, v, CUDNN, causal=causal)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -54,16 +64,16 @@ def test_the_forward_is_the_gluon_kernel_and_its_statistics_are_cudnns():
     q, k, v = (t.detach() for t in _inputs(2048, 8, 2))
     if not flash_attention_hopper.supports(q):
         pytest.skip("the Gluon forward runs on Hopper only, not under TRITON_OVERRIDE_ARCH=sm80")
-    out = cudnn_attention.cudnn_attention(q, k, v)
+    out = cudnn(q, k, v)
     flash_attention.ensure_allocator(q.device)
     expected, _ = flash_attention_hopper.attention_forward(q, k, v, None, None, True,
                                                            128 ** -0.5 * flash_attention.LOG2E)
     assert torch.equal(out, expected)
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]
     cudnn_stats = torch.ops.aten._scaled_dot_product_cudnn_attention(*heads_first, None, True, 0.0, True, False)[1]
-    _, ours = cudnn_attention._forward(q, k, v, True, 128 ** -0.5)
-    assert ours.shape == cudnn_stats.shape
-    assert torch.allclose(ours, cudnn_stats, rtol=0, atol=1e-4)
+    _, stats = cudnn_attention._forward(q, k, v, True, 128 ** -0.5, "gluon")
+    assert stats.shape == cudnn_stats.shape
+    assert torch.allclose(stats, cudnn_stats, rtol=0, atol=1e-4)
 
 
 def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
@@ -71,11 +81,11 @@ def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
     grad_out = torch.randn(1, 2048, 32, 128, device="cuda", dtype=torch.bfloat16)
     tape = AttentionTape()
     with tape.recording():
-        recorded = cudnn_attention.cudnn_attention(q, k, v)
+        recorded = cudnn(q, k, v)
     assert len(tape.saved) == 1 and tape.saved[0][0] is recorded
     expected = torch.autograd.grad(recorded, (q, k, v), grad_out)
     with tape.replaying():
-        replayed = cudnn_attention.cudnn_attention(q, k, v)
+        replayed = cudnn(q, k, v)
     assert torch.equal(replayed, recorded)
     dq, dk, dv = torch.autograd.grad(replayed, (q, k, v), grad_out)
     assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])   # dQ is added with atomics
@@ -83,16 +93,16 @@ def test_a_replayed_tape_gives_the_recorded_output_and_the_same_gradients():
     assert attention_tape._state.current is None
 
 
-def test_dispatch_sends_unpacked_rows_to_cudnn_and_packed_documents_to_flash_attention():
-    from kernels.flash_attention import flash_attention
+def test_the_route_sends_unpacked_rows_to_cudnn_and_packed_documents_to_our_kernels():
     q, k, v = _inputs(1024)
-    kernels.set_backend("auto", "cudnn")
-    assert torch.equal(kernels.attention(q, k, v), cudnn_attention.cudnn_attention(q, k, v))
+    route = choose_route(q.device, 128, "auto")       # a plan with room for cuDNN's workspace
+    assert route.backward == "cudnn"
+    assert torch.equal(attention(q, k, v, route), cudnn(q, k, v))
     cu_seqlens = torch.tensor([0, 300, 1024], dtype=torch.int32, device="cuda")
-    packed = kernels.attention(q, k, v, cu_seqlens=cu_seqlens)
-    assert torch.equal(packed, flash_attention(q, k, v, cu_seqlens=cu_seqlens))
+    packed = attention(q, k, v, route, cu_seqlens=cu_seqlens)
+    assert torch.equal(packed, ours(q, k, v, cu_seqlens=cu_seqlens))
     kernels.set_backend("auto")
-    assert torch.equal(kernels.attention(q, k, v), flash_attention(q, k, v))
+    assert torch.equal(kernels.attention.attention(q, k, v), ours(q, k, v))     # no route installed: ours
 
 
 def test_strided_views_of_one_projection_and_a_broadcast_gradient():
@@ -100,7 +110,7 @@ def test_strided_views_of_one_projection_and_a_broadcast_gradient():
     torch.manual_seed(3)
     fused = torch.randn(1, 512, 48, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q, k, v = fused[:, :, :32], fused[:, :, 32:40], fused[:, :, 40:]
-    out = cudnn_attention.cudnn_attention(q, k, v)
+    out = cudnn(q, k, v)
     ref = reference.attention(q.float(), k.float(), v.float())
     assert _rel_err(out, ref) < TOLERANCE
     out.sum().backward()
@@ -118,7 +128,7 @@ def test_backward_stays_within_the_planned_workspace(monkeypatch, groups):
     monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", whole // groups)
     assert cudnn_attention.backward_head_groups(seqlen, 32, 8, 128) == groups
     q, k, v = _inputs(seqlen)
-    out = cudnn_attention.cudnn_attention(q, k, v)
+    out = cudnn(q, k, v)
     grad_out = torch.randn_like(out)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -136,7 +146,7 @@ def test_the_backward_over_head_groups_matches_the_reference(monkeypatch):
     monkeypatch.setattr(cudnn_attention, "MAX_WORKSPACE_BYTES", cudnn_attention.backward_workspace_bytes(
         4096, 32, 8, 128) // 4)
     assert cudnn_attention.backward_head_groups(4096, 32, 8, 128) == 4
-    out = cudnn_attention.cudnn_attention(q, k, v)
+    out = cudnn(q, k, v)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -150,7 +160,6 @@ def test_524k_tokens_over_head_groups_agree_with_flash_attention(monkeypatch):
     """The longest single-GPU length (2^31 elements in q): kernels=auto's attention (the Gluon forward where it
     runs, cuDNN's backward over 4 head groups) against our Triton flash attention's forward and backward,
     both bf16 (each within ~3e-3 of fp32 at shorter lengths)."""
-    from kernels.flash_attention import flash_attention
     q, k, v = _inputs(524288)
     assert cudnn_attention.backward_head_groups(524288, 32, 8, 128) == 4
     grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
@@ -158,10 +167,10 @@ def test_524k_tokens_over_head_groups_agree_with_flash_attention(monkeypatch):
     def run(attention):
         out = attention(q, k, v)
         return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out))
-    ours = run(cudnn_attention.cudnn_attention)
+    auto = run(cudnn)
     monkeypatch.setattr(flash_attention_hopper, "supports", lambda q: False)   # the Triton forward
-    flash = run(flash_attention)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, flash):
+    flash = run(ours)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), auto, flash):
         error = _rel_err_by_head(a, b)
         assert error < 1e-2, (name, error)
 
