@@ -44,17 +44,15 @@ class AttentionRoute:
     deterministic: bool = False
     falls_back: bool = False
     sequence_group: Any = dataclasses.field(default=None, compare=False)
+    # Whether its calls record (out, lse) on an attention tape, so that keeping attention outputs
+    # (memory.kept_attention_layers) helps: not the reference's, nor calls our kernels refuse (kernels=triton
+    # with a head dim or dtype they lack, which their checks name at the first call).
+    records: bool = True
 
     def __post_init__(self):
         if self.forward not in FORWARDS or self.backward not in BACKWARDS:
             raise ValueError(f"an attention route runs a forward of {FORWARDS} and a backward of {BACKWARDS}, "
                              f"not {self.forward!r} and {self.backward!r}")
-
-    @property
-    def records(self) -> bool:
-        """Whether its calls record (out, lse) on an attention tape: all but the reference's, so keeping
-        attention outputs (memory.kept_attention_layers) helps only on these routes."""
-        return self.forward != "reference"
 
     @property
     def plan_kernel(self) -> str:
@@ -72,7 +70,7 @@ class AttentionRoute:
         documents, cudnn_attention.supports) run our backward: the one-pass one where its accumulator fits the
         workspace the plan counted for cuDNN's and bit-identical runs were not asked for, else the two-kernel one."""
         if self.forward == "reference" or (self.falls_back and not (q.is_cuda and triton_takes(q.shape[-1], q.dtype))):
-            return dataclasses.replace(self, forward="reference", backward="reference")
+            return dataclasses.replace(self, forward="reference", backward="reference", records=False)
         if self.backward != "cudnn" or (q.is_cuda and cudnn_attention.supports(q, k, cu_seqlens)):
             return self
         one_pass = not self.deterministic and _one_pass_fits(q, k)
@@ -105,9 +103,9 @@ def choose_route(device: torch.device, head_dim: int, backend: str, deterministi
     - The reference (plain PyTorch) under kernels=reference, and under kernels=auto where our kernels do not
       run: off CUDA, or a head dim or dtype they lack (the tiny model's head dim 16). dtype None: the model's,
       which our kernels take.
-    - Otherwise our kernels (kernels=triton asks for them anywhere, Triton's interpreter included): the
-      forward is the Gluon kernel on a GPU that runs Hopper code (faster than Triton's and cuDNN's), else
-      Triton's.
+    - Otherwise our kernels (kernels=triton asks for them anywhere, Triton's interpreter included; a head dim
+      or dtype they lack then fails at the first call, with their message): the forward is the Gluon kernel
+      on a GPU that runs Hopper code (faster than Triton's and cuDNN's), else Triton's.
     - The backward is cuDNN's where it is faster, on Hopper (cudnn_attention.available), if the job did
       not ask for bit-identical runs (cuDNN adds dQ with atomics), runs kernels=auto, and the memory plan has
       room for its workspace (`cudnn_fits`, the planner's choice among `candidates`). Else our two-kernel
@@ -116,13 +114,13 @@ def choose_route(device: torch.device, head_dim: int, backend: str, deterministi
     is a Hopper one. Per-call refinements (packed rows, layouts, the one-pass backward): AttentionRoute's
     methods."""
     falls_back = backend == "auto"
-    if backend == "reference" or (falls_back and not (device.type == "cuda" and triton_takes(head_dim, dtype))):
-        return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group)
-    hopper = runs_hopper_code(device) if planned_hopper is None or torch.cuda.is_available() else planned_hopper
-    forward = "gluon" if hopper else "triton"
+    takes = triton_takes(head_dim, dtype)
+    if backend == "reference" or (falls_back and not (device.type == "cuda" and takes)):
+        return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group, records=False)
+    forward = "gluon" if _runs_hopper_code(device, planned_hopper) else "triton"
     cudnn = falls_back and not deterministic and cudnn_fits and (
         cudnn_attention.available(device) if planned_hopper is None else device.type == "cuda" and planned_hopper)
-    return AttentionRoute(forward, "cudnn" if cudnn else "triton", deterministic, falls_back, sequence_group)
+    return AttentionRoute(forward, "cudnn" if cudnn else "triton", deterministic, falls_back, sequence_group, takes)
 
 
 def candidates(device: torch.device, head_dim: int, backend: str, deterministic: bool = False,
@@ -132,6 +130,13 @@ def candidates(device: torch.device, head_dim: int, backend: str, deterministic:
     routes = (choose_route(device, head_dim, backend, deterministic, fits, planned_hopper=planned_hopper)
               for fits in (True, False))
     return tuple(dict.fromkeys(routes))
+
+
+def _runs_hopper_code(device: torch.device, planned_hopper: bool | None) -> bool:
+    """Whether `device` runs the Gluon kernels: this machine's GPU, or without one the planned GPU."""
+    if device.type == "cuda" and planned_hopper is not None and not torch.cuda.is_available():
+        return planned_hopper
+    return runs_hopper_code(device)
 
 
 def default_route(q: torch.Tensor) -> AttentionRoute:
