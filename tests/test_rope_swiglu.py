@@ -1,5 +1,5 @@
-"""Triton RoPE and SwiGLU (kernels/rope_triton.py, kernels/swiglu_triton.py) on CPU through Triton's interpreter, against
-the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes, packed-document positions, and
+"""Triton RoPE and SwiGLU (kernels/rope_triton.py, kernels/swiglu_triton.py) on CPU through Triton's interpreter,
+against the fp32 reference: forward and every gradient, fp32 and fp16, odd shapes, packed-document positions, and
 the model through the memory policy (recomputed layers, tiled MLP). (bf16 at real shapes: GPU only,
 tests/test_rope_swiglu_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
@@ -13,11 +13,13 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.attention import choose_route
 from kernels.rope_triton import rope
 from kernels.swiglu_triton import swiglu
 from model import Llama, LlamaConfig
 from model.llama import LlamaModel, positions_from_documents
 from offload.policy import apply_memory_policy
+from trainer.build import install_attention_route
 
 pytestmark = conftest_kernels.needs_interpreter
 
@@ -187,7 +189,7 @@ def test_dispatch_runs_triton_when_asked():
     assert relative_error(kernels.swiglu(gate, up), reference.swiglu(gate, up)) < 1e-6
 
 
-def test_model_with_fused_ops_through_the_memory_policy(monkeypatch):
+def test_model_with_fused_ops_through_the_memory_policy():
     """The tiny Llama (GQA, llama3 scaling, packed documents) with Triton RoPE and SwiGLU under per-layer
     recomputation and a 3-tile MLP equals the reference model under plain autograd. Attention stays the
     reference: head dim 16 is not one the Triton attention takes."""
@@ -206,7 +208,7 @@ def test_model_with_fused_ops_through_the_memory_policy(monkeypatch):
     kernels.set_backend("reference")
     expected = loss_and_grads()
     kernels.set_backend("triton")
-    monkeypatch.setattr(kernels, "attention", reference.attention)
+    install_attention_route(model, choose_route(torch.device("cpu"), 16, "reference"))
     policy = apply_memory_policy(model, ["gpu", "recompute", "host"], 3, torch.device("cpu"))
     measured = loss_and_grads()
     policy.remove()
