@@ -44,7 +44,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
-        q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope.py says why not in place)
+        q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope_triton.py says why not in place)
         out = kernels.attention.attention(q, k, v, self.route, causal=True, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))
 

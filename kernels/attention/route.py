@@ -4,6 +4,7 @@ A route names the implementation of each pass:
   forward   "gluon"      our warp-specialized Hopper kernel (flash_attention_hopper.py)
             "triton"     our Triton kernel (flash_attention.py over triton_kernels.py)
             "reference"  plain PyTorch (kernels/reference.py), which records nothing on an attention tape
+            (and before cuDNN's backward, cuDNN's own forward where the Gluon kernel cannot read the inputs)
   backward  "cudnn"      cuDNN's fused backward (cudnn_attention.py; dQ by atomics, a workspace the plan counts)
             "gluon"      our one-pass Hopper backward (flash_attention_hopper_backward.py; dQ by TMA reductions,
                          an fp32 accumulator)
@@ -53,6 +54,8 @@ class AttentionRoute:
         if self.forward not in FORWARDS or self.backward not in BACKWARDS:
             raise ValueError(f"an attention route runs a forward of {FORWARDS} and a backward of {BACKWARDS}, "
                              f"not {self.forward!r} and {self.backward!r}")
+        if self.forward == "reference":
+            object.__setattr__(self, "records", False)
 
     @property
     def plan_kernel(self) -> str:
@@ -70,7 +73,7 @@ class AttentionRoute:
         documents, cudnn_attention.supports) run our backward: the one-pass one where its accumulator fits the
         workspace the plan counted for cuDNN's and bit-identical runs were not asked for, else the two-kernel one."""
         if self.forward == "reference" or (self.falls_back and not (q.is_cuda and triton_takes(q.shape[-1], q.dtype))):
-            return dataclasses.replace(self, forward="reference", backward="reference", records=False)
+            return dataclasses.replace(self, forward="reference", backward="reference")
         if self.backward != "cudnn" or (q.is_cuda and cudnn_attention.supports(q, k, cu_seqlens)):
             return self
         one_pass = not self.deterministic and _one_pass_fits(q, k)
@@ -116,7 +119,7 @@ def choose_route(device: torch.device, head_dim: int, backend: str, deterministi
     falls_back = backend == "auto"
     takes = triton_takes(head_dim, dtype)
     if backend == "reference" or (falls_back and not (device.type == "cuda" and takes)):
-        return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group, records=False)
+        return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group)
     forward = "gluon" if _runs_hopper_code(device, planned_hopper) else "triton"
     cudnn = falls_back and not deterministic and cudnn_fits and (
         cudnn_attention.available(device) if planned_hopper is None else device.type == "cuda" and planned_hopper)
