@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,6 +17,21 @@ log = logging.getLogger(__name__)
 
 
 RUN_LOG = "train.log"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_command(script: str, *arguments: str) -> str:
+    """The command line that runs scripts/<script> as printed: with this interpreter (the virtualenv's, which
+    has the project's packages; a bare `python` may lack them), each path relative to the working directory
+    when under it."""
+    return shlex.join([shown_path(sys.executable), shown_path(SCRIPTS / script), *map(str, arguments)])
+
+
+def shown_path(path) -> str:
+    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute)
+    return absolute if relative.startswith("..") else relative
 
 
 @contextlib.contextmanager
@@ -121,9 +138,9 @@ def end_summary(run_dir: Path, first_step: int, max_steps: int, checkpoint: Path
     if steps:
         text += f": {final_values(steps)}"
     text += f"; checkpoints in {checkpoint.parent} (newest {checkpoint.name})" if checkpoint else "; no checkpoint"
-    text += f"\n  plot:    python scripts/report.py {run_dir}"
+    text += f"\n  plot:    {script_command('report.py', run_dir)}"
     if checkpoint:
-        text += f"\n  export:  python scripts/export.py {checkpoint} <out dir>"
+        text += f"\n  export:  {script_command('export.py', checkpoint)} <out dir>"
     log.info(text)
 
 

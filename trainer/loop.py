@@ -123,7 +123,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
 
-    built = build_model(cfg, device, plan)
+    built = build_model(cfg, device, plan, resumed=loaded is not None)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
     if cfg.parallel.shard and world.distributed:
