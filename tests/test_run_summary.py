@@ -92,3 +92,17 @@ def test_a_resumed_random_init_run_says_resumed_instead_of_warning_of_random_wei
     train(job_config(tmp_path, "max_steps=3"))
     assert "RANDOM" not in caplog.text
     assert "tiny is built from random init, then resumed from the checkpoint's weights" in caplog.text
+
+
+def test_step_lines_without_a_terminal_carry_elapsed_time_and_eta(monkeypatch, caplog):
+    """A batch job's log (no TTY, so no progress bar) says how long the run has taken and has left."""
+    import trainer.console as console
+    clock = iter([1000.0, 1090.0])      # the bar starts, then 90 s later step 13 of 40 (3 done since step 10)
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    bar = console.ProgressBar(first_step=10, max_steps=40, enabled=True)
+    record = {"step": 13, "applied": True, "loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tokens_per_s": 10.0,
+              "host_rss_gib": 1.0}
+    caplog.set_level(logging.INFO, logger="trainer.console")
+    bar.write(bar.step_line(record))
+    assert caplog.records[-1].getMessage().endswith(" elapsed 01:30 eta 13:30")     # 27 steps at 30 s
+    bar.close()

@@ -7,6 +7,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -102,11 +103,21 @@ def step_line(record: dict, max_steps: int) -> str:
 
 
 class ProgressBar:
-    """tqdm bar with ETA, tokens/s, loss and memory; silent unless stderr is a terminal."""
+    """tqdm bar with ETA, tokens/s, loss and memory; silent unless stderr is a terminal. Its step lines carry
+    the elapsed time and ETA too, for logs without a terminal (batch jobs, train.log)."""
 
     def __init__(self, first_step: int, max_steps: int, enabled: bool):
         self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True,
                         disable=not (enabled and sys.stderr.isatty()))
+        self.first_step, self.max_steps, self.started = first_step, max_steps, time.monotonic()
+
+    def step_line(self, record: dict) -> str:
+        """step_line, with the time since this start and the time left at this start's pace."""
+        elapsed = time.monotonic() - self.started
+        done = record["step"] - self.first_step
+        left = elapsed / done * (self.max_steps - record["step"]) if done > 0 else None
+        eta = "?" if left is None else tqdm.format_interval(left)
+        return f"{step_line(record, self.max_steps)} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
 
     def update(self, record: dict) -> None:
         loss = "nan" if record.get("loss") is None else f"{record['loss']:.4f}"

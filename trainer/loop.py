@@ -29,8 +29,7 @@ from offload.units import GIB
 from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
-                             step_line)
+from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.disk_space import save_hf_model_if_room
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.guard import BadStepCounter
@@ -198,7 +197,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
                     record = metrics_log.write(step, metrics)
                     bar.update(record)
                     if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
-                        bar.write(step_line(record, cfg.max_steps))
+                        bar.write(bar.step_line(record))
                 guard.stop_if_exhausted(step, last_checkpoint)
                 # Decided together, read once: a signal to any rank stops all after this same step; one
                 # arriving later is served after the next step.
