@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.allocator import prefer_expandable_segments  # noqa: E402
+from trainer.allocator import cap_gpu_memory, gpu_memory_cap, prefer_expandable_segments  # noqa: E402
 
 prefer_expandable_segments()
 
@@ -64,7 +64,9 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     validate(cfg)
     kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
     device = torch.device("cuda")
-    built = build_model(cfg, device, checked_plan(cfg, device))
+    plan = checked_plan(cfg, device)
+    cap_gpu_memory(plan.capacity.gpu, device)     # memory.gpu=h100_80gb on an H200: the H100's plan and memory
+    built = build_model(cfg, device, plan)
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim, plan.full_state)
     lm = unwrap_llama(model)
@@ -85,7 +87,8 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
                      "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "attention_kernel": plan.attention_kernel,
-                     "host_peak_gib": plan.host_peak / GIB}}
+                     "host_peak_gib": plan.host_peak / GIB},
+            "gpu_memory_cap": gpu_memory_cap(plan.capacity.gpu, device)}
     return lm.config, step, built.policy.stats, info
 
 
@@ -128,7 +131,8 @@ def main() -> None:
     parser.add_argument("--train", choices=("lora", "full"), default="lora",
                         help="full: every parameter (issue 6; the planner picks train.full_state)")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
-    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU time by kind (scripts/step_profile.py)")
+    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU "
+                                                                "time by kind (scripts/step_profile.py)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
 
