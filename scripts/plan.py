@@ -1,4 +1,4 @@
-"""Print the memory plan of a config: `python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
+"""Print the memory plan of a config: `.venv/bin/python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
 
 Plans for the GPU and host of this machine. Elsewhere name the target GPU, `memory.gpu=a100_80gb|h100_80gb|
 h200`, or give its size, `memory.gpu_memory_gib=79.2`, and the host's, `memory.host_memory_gib=125`; on a
