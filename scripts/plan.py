@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 import torch  # noqa: E402
 
-from conf.schema import register_configs  # noqa: E402
+from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
 from conf.schema.parallel import world_size  # noqa: E402
-from conf.validate import check_known_keys  # noqa: E402
+from conf.validate import check_finite_numbers, check_known_keys  # noqa: E402
 from offload.placement import rebuilding_keeps  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
@@ -46,6 +46,7 @@ def main(cfg) -> None:
     device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
     try:
         check_known_keys(cfg)
+        check_finite_numbers(cfg, JobConfig)
         check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked
         if device.type == "cuda" and not torch.cuda.is_available():
             print(plan_without_a_gpu(cfg.memory))
