@@ -71,14 +71,14 @@ for step in "$@"; do
     # one-pass backward's variants timed and metered in turn (BWD_VARIANTS: names; all of them if empty).
     attn_energy) python3 scripts/bench_attention.py --seqlens 32768 --peers cudnn --rounds 5 --clocks --rep-ms 1000 \
         --no-packed 2>&1 | tee $OUT/attn_energy.log | tail -5 ;;
-    bwd_energy) python3 docs/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
+    bwd_energy) python3 scripts/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
     # The working tree's Gluon backward or forward against the file at AB_BASE (HEAD by default; one-second cells,
     # in turn), and the Gluon kernels' GPU tests: an experiment applied as a patch (docs/experiments/*.patch)
     # measured and tested in one call.
-    bwd_ab) python3 docs/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
+    bwd_ab) python3 scripts/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
         2>&1 | tee $OUT/bwd_ab.log ;;
     fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
-      AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
+      AB_CELL_MS=1000 python3 scripts/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
         grep -v "max diff 0 lse max diff 0 nan False" ;;
     attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;

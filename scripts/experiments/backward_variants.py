@@ -4,8 +4,8 @@ replacement must match exactly once, so a variant that no longer fits the kernel
 variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed 16 x 4k (B = 1, 32/8
 heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
 
-    python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
-    python3 docs/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
+    python3 scripts/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
+    python3 scripts/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
         # the kernel file at a git revision (with that revision's forward module, the working tree's
         # others), the working tree's, and the named variants of the working tree's
 
@@ -76,11 +76,13 @@ VARIANTS = {
         ("            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
          "            if (tile < head_tiles) | (tile >= mid_end):\n",
          "            masked = (tile < head_tiles) | (tile >= mid_end)\n"
-         "            query_doc_lo, query_doc_hi = _token_documents(DOC_START, DOC_END, queries, (queries < seqlen) & masked,\n"
+         "            query_doc_lo, query_doc_hi = _token_documents(DOC_START, DOC_END, queries, "
+         "(queries < seqlen) & masked,\n"
          "                                                          HAS_DOCS)\n"
          "            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
          "            if masked:\n"),
-        ("                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, HAS_DOCS)\n"
+        ("                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, "
+         "HAS_DOCS)\n"
          "                visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],\n"
          "                                         key_doc_hi[None, :], queries[:, None], seqlen, CAUSAL, HAS_DOCS)\n",
          "                visible = _visible_pairs(queries[:, None], keys[None, :], query_doc_lo[:, None],\n"
@@ -133,7 +135,7 @@ def inputs(rows: int, lengths: list[int], with_bounds: bool):
     bounds = (None, None)
     if with_bounds:
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        bounds = fa._document_bounds(cu_seqlens, total)
+        bounds = fa.document_bounds(cu_seqlens, total)
     out, lse = fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
     delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
     return do, q, k, v, lse, delta, *bounds

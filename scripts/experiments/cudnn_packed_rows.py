@@ -4,7 +4,7 @@ on a Hopper GPU: output and gradient errors, and times. On 2026-11-25 (torch 2.1
 128, causal) its forward was right but 11x slower than ours on 16 x 4k documents and its backward wrong on
 every pack (docs/BENCHMARKS.md); run it again on a newer torch before routing packed rows to cuDNN.
 
-    python3 docs/experiments/cudnn_packed_rows.py
+    python3 scripts/experiments/cudnn_packed_rows.py
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def run_pack(label: str, lengths: list[int]) -> None:
     grads = cudnn_backward(grad_out, q, k, v, out, stats, cu_seqlens, longest)
     print(f"{label}: cuDNN backward errors dq dk dv",
           [f"{rel_err(g[None], e):.2e}" for g, e in zip(grads, exact[1:])])
-    bounds = fa._document_bounds(cu_seqlens, total)
+    bounds = fa.document_bounds(cu_seqlens, total)
     ours = lambda: fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
     ours_out, lse_log2 = ours()
     ours_stats = (lse_log2[0] * math.log(2)).t().contiguous().unsqueeze(-1)     # cuDNN's [T, H, 1]

@@ -7,7 +7,7 @@ their tiles (the less, the sooner a tile read from HBM is read again by another 
 H100)). At Llama-3 8B's heads (32 query heads, 8 KV heads), blocks of 128 queries and tiles of 128 keys,
 causal, on 132 CTAs (the H100 SXM's SMs) and 114 (the PCIe card's). No GPU needed.
 
-    python3 docs/experiments/work_item_order.py
+    python3 scripts/experiments/work_item_order.py
 
 Orders, a causal row's latest blocks (the heaviest) first unless said:
 - heads fastest, then blocks, then batch rows (the kernel's below 32k);
