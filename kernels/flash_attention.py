@@ -24,7 +24,7 @@ on Hopper), which also zero-fill the rows past the end of the sequence.
 
 On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon,
 warp-specialized: faster than this Triton forward, and than cuDNN's from 8k to 131k tokens,
-docs/BENCHMARKS.md); fp32 inputs, other
+docs/PERFORMANCE.md); fp32 inputs, other
 GPUs, Triton's interpreter and layouts whose heads do not lie within a token's row
 (flash_attention_hopper.reads_as_rows) run the one here, which that kernel's tests hold it to.
 

@@ -370,8 +370,8 @@ def _torch_attention_in_dtype(q, k, v, causal, cu_seqlens=None):
     return out.transpose(1, 2).reshape(batch, seqlen, q_heads, head_dim)
 
 
-# ‖out - ref‖/‖ref‖ that flash_attention's bf16 output and gradients must stay within: the errors first
-# measured on the H100 (2026-11-22, docs/BENCHMARKS.md; within 1e-5 of them on 2026-11-26), plus 4.5-7%.
+# ‖out - ref‖/‖ref‖ that flash_attention's bf16 output and gradients must stay within: the errors measured on
+# the H100 (docs/PERFORMANCE.md, "Attention"), plus 4.5-7%.
 WHOLE_ROWS_ERRORS = {"out": 2.2e-3, "dq": 2.6e-3, "dk": 2.6e-3, "dv": 2.5e-3}
 PACKED_ERRORS = {"out": 1.7e-3, "dq": 3.0e-3, "dk": 3.0e-3, "dv": 2.3e-3}
 

@@ -9,11 +9,11 @@ heads of 128, causal, bf16); each is checked against the kernel as it is (dq dif
         # the kernel file at a git revision (with that revision's forward module, the working tree's
         # others), the working tree's, and the named variants of the working tree's
 
-`--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at 32k our
-backward spent 22% more energy than cuDNN's in the same time (docs/BENCHMARKS.md).
+`--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at the
+power limit work per joule is speed (docs/PERFORMANCE.md, "How to measure").
 
-The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md), none faster beyond the spread; a new
-idea is one more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and
+The variants below were measured none faster beyond the spread (docs/PERFORMANCE.md, "Tried and not kept");
+a new idea is one more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and
 cast, not the delta kernel)."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ CASES = {"8k": (1, [8192], False), "32k": (1, [32768], False), "packed-16x4k": (
 DEFAULT_CASES = ["8k", "32k", "packed-16x4k", "batch-16x4k", "batch-16x4k-bounds"]
 
 # name: [(old, new), ...] applied to SOURCE in order. (Freeing dO's stage as soon as dV is done, measured
-# before dO and Q shared one free barrier per stage, is gone with that barrier: docs/BENCHMARKS.md.)
+# before dO and Q shared one free barrier per stage, is gone with that barrier: c729dfe:docs/BENCHMARKS.md.)
 VARIANTS = {
     # the softmax scale folded into P once P is stored for dV: dS carries it, dQ needs no multiply
     "scale_p": [

@@ -7,9 +7,8 @@ packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of
     AB_CELL_MS=1000 python3 scripts/experiments/forward_ab.py        # cells of a second: the power limit's pace
     AB_METER=1 ...                                                # and each one's clock, power, TFLOP/J
 
-Measured (docs/BENCHMARKS.md): on 2026-11-25 the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
-work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`); on 2026-11-26
-four orders of work items at once. Versions are named by their files' names, which must differ."""
+Another revision's file: `git show REV:kernels/flash_attention_hopper.py > /tmp/at_rev.py`. Versions are named
+by their files' names, which must differ. What it measured: docs/PERFORMANCE.md, "Tried and not kept"."""
 import contextlib
 import importlib.util
 import os
