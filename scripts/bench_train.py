@@ -45,28 +45,43 @@ def random_batch(seq_len: int, vocab: int, device) -> tuple[torch.Tensor, torch.
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
-    """The trainer's model (memory policy included), its optimizer and a step function."""
+def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
+    """The trainer's config of this benchmark: the Llama-3-8B architecture, batch 1, then the overrides."""
     from hydra import compose, initialize_config_dir
 
-    import kernels
     from conf.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
+                                            *overrides])
+
+
+def cap_to_planned_gpu(cfg, device: torch.device) -> float | None:
+    """The trainer's cap (trainer.allocator), for either stack: memory.gpu or memory.gpu_memory_gib naming a
+    smaller GPU than this one (h100_80gb on an H200) holds the CUDA allocator to its size before anything is
+    built. Returns the share of this GPU allowed (None: not capped)."""
+    from conf.schema.memory import resolve_gpu_preset
+    from offload.byte_model import Capacity
+    resolve_gpu_preset(cfg.memory)
+    planned = Capacity.detect(device, cfg.memory).gpu
+    cap_gpu_memory(planned, device)
+    return gpu_memory_cap(planned, device)
+
+
+def build_ours(cfg):
+    """The trainer's model (memory policy included), its optimizer and a step function."""
+    import kernels
     from conf.validate import validate
     from model import unwrap_llama
     from trainer.build import build_model, checked_plan
     from trainer.optim import build_optimizer
     from trainer.step import clip_gradients
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
-                                           *overrides])
     validate(cfg)
     kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
     device = torch.device("cuda")
-    plan = checked_plan(cfg, device)
-    cap_gpu_memory(plan.capacity.gpu, device)     # memory.gpu=h100_80gb on an H200: the H100's plan and memory
-    built = build_model(cfg, device, plan)
+    built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim, plan.full_state)
     lm = unwrap_llama(model)
@@ -82,17 +97,16 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
 
     pin_start = time.perf_counter()
     built.policy.pin_buffers(plan.shape)
-    info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
+    info = {"stack": "ours", "pin_s": time.perf_counter() - pin_start,
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
                      "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "attention_kernel": plan.attention_kernel,
-                     "host_peak_gib": plan.host_peak / GIB},
-            "gpu_memory_cap": gpu_memory_cap(plan.capacity.gpu, device)}
+                     "host_peak_gib": plan.host_peak / GIB}}
     return lm.config, step, built.policy.stats, info
 
 
-def build_peer(seq_len: int, overrides: list[str]):
+def build_peer():
     """transformers LlamaForCausalLM + peft LoRA + Liger-Kernel + HF gradient checkpointing + save_on_cpu."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from peft import LoraConfig, get_peft_model
@@ -121,7 +135,7 @@ def build_peer(seq_len: int, overrides: list[str]):
         optimizer.step()
         return loss
 
-    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu", "overrides": overrides}
+    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu"}
 
 
 def main() -> None:
@@ -142,8 +156,10 @@ def main() -> None:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    arch, step, offload_stats, info = (build_peer(args.seq_len, args.overrides) if args.peer else
-                                       build_ours(args.seq_len, args.overrides, args.train))
+    cfg = trainer_config(args.seq_len, args.overrides, args.train)
+    gpu_memory_cap = cap_to_planned_gpu(cfg, torch.device("cuda"))
+    arch, step, offload_stats, info = build_peer() if args.peer else build_ours(cfg)
+    info |= {"overrides": args.overrides, "gpu_memory_cap": gpu_memory_cap}
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
     torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's
     times, losses = [], []

@@ -39,3 +39,14 @@ def test_an_h100_plan_on_an_h200_caps_the_allocator_once_and_says_so(monkeypatch
                         "memory.gpu_memory_gib), so the plan's GPU is what runs")
     else:
         assert calls == [] and note == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for a GPU only where none is present")
+def test_the_training_benchmark_takes_the_same_cap(monkeypatch):
+    from scripts.bench_train import cap_to_planned_gpu, trainer_config
+    calls = []
+    monkeypatch.setattr(allocator, "present_gpu_memory", lambda device: H200)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: calls.append(args))
+    cfg = trainer_config(8192, ["memory.gpu=h100_80gb"])
+    assert cap_to_planned_gpu(cfg, torch.device("cuda")) == pytest.approx(79.2 / 139.8)
+    assert calls == [(pytest.approx(79.2 / 139.8), torch.device("cuda"))]
