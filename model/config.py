@@ -5,8 +5,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# The rope types transformers implements for Llama (model.rope computes them with transformers' code).
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# The rope types transformers implements for Llama (model.rope computes them with transformers' code), with
+# the rope_scaling keys each reads.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+ROPE_TYPES = tuple(ROPE_KEYS)
 
 
 @dataclass
@@ -72,12 +82,14 @@ class LlamaConfig:
 
 def canonical_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """`scaling` as one layout: `rope_type` (older files say `type`), no rope_theta (a field of its own),
-    None for the default rope. ValueError for a type transformers does not implement for Llama."""
+    None for the default rope, and without the keys only other rope types read (transformers ignores them;
+    they come from a command-line scaling merged into a model group's, e.g. yarn over Llama-3.1's llama3).
+    ValueError for a type transformers does not implement for Llama."""
     if not scaling:
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type", "default")
-    scaling = {key: value for key, value in scaling.items() if key not in ("rope_theta", "type")}
-    scaling["rope_type"] = rope_type
-    if scaling["rope_type"] not in ROPE_TYPES:
-        raise ValueError(f"rope_type {scaling['rope_type']!r} is not one of {', '.join(ROPE_TYPES)}")
-    return None if scaling["rope_type"] == "default" else scaling
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+    others = {key for keys in ROPE_KEYS.values() for key in keys} - set(ROPE_KEYS[rope_type])
+    kept = {key: value for key, value in scaling.items() if key not in others | {"rope_theta", "type", "rope_type"}}
+    return None if rope_type == "default" else {"rope_type": rope_type, **kept}

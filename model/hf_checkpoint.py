@@ -49,16 +49,13 @@ def read_config(path: Path, overrides: dict | None = None) -> LlamaConfig:
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
     try:
-        cfg = LlamaConfig.from_dict(values)
-        cfg = with_overrides(cfg, overrides or {})
-        check_rope(cfg)
+        return with_overrides(LlamaConfig.from_dict(values), overrides or {})
     except ValueError as error:
         raise HFCheckpointError(f"{config_file}: {error}") from None
-    return cfg
 
 
 def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
-    """`cfg` with the rope keys of `overrides` that are not None. A new scaling without
+    """`cfg` with the rope keys of `overrides` that are not None, checked (check_rope). A new scaling without
     original_max_position_embeddings extends `cfg`'s context (transformers would take the new
     max_position_embeddings instead)."""
     unknown = sorted(set(overrides) - set(ROPE_OVERRIDE_KEYS))
@@ -69,7 +66,9 @@ def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
     scaling = changes.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
         changes["rope_scaling"] = {"original_max_position_embeddings": cfg.max_position_embeddings, **scaling}
-    return dataclasses.replace(cfg, **changes)
+    cfg = dataclasses.replace(cfg, **changes)
+    check_rope(cfg)
+    return cfg
 
 
 def token_ids(path: Path) -> dict:

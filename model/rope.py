@@ -73,8 +73,6 @@ def check_rope(cfg: LlamaConfig) -> None:
     try:
         rope_frequencies(cfg, cfg.max_position_embeddings, "cpu")
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
-        # transformers names a missing key in a KeyError's message, or the key alone
-        problem = error.args[0] if isinstance(error, KeyError) and error.args else error
-        problem = f"lacks {problem!r}" if isinstance(error, KeyError) and " " not in str(problem) else problem
+        problem = error.args[0] if isinstance(error, KeyError) and error.args else error   # not repr'd
         raise ValueError(f"rope_scaling {cfg.rope_scaling} does not define a {cfg.rope_type} rope: "
                          f"{problem}") from None

@@ -26,7 +26,8 @@ from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
-from trainer.build import Built, build_model, checked_plan, count_parameters
+from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters, record_architecture,
+                           trained_context)
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
@@ -90,6 +91,7 @@ def train(cfg) -> dict:
     step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
+    record_architecture(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
@@ -156,6 +158,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
+        "rope": context_summary(cfg),
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
@@ -236,7 +239,8 @@ def data_stream(cfg, vocab_size: int, world: World):
     """The batch stream; over several processes the first rank of each machine builds it first (tokenizing
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
-        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path)
+        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
+                          trained_context=trained_context(cfg))
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()
