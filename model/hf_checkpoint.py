@@ -65,7 +65,8 @@ def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
     changes = {key: value for key, value in overrides.items() if value is not None}
     scaling = changes.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
-        changes["rope_scaling"] = {"original_max_position_embeddings": cfg.max_position_embeddings, **scaling}
+        changes["rope_scaling"] = {**scaling, "original_max_position_embeddings":
+                                   scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)}
     cfg = dataclasses.replace(cfg, **changes)
     check_rope(cfg)
     return cfg
@@ -168,6 +169,22 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     """`weights` as <directory>/model.safetensors, in the format transformers reads."""
     save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def save_linked_model(source: Path, config: dict, directory: Path) -> Path:
+    """A Hugging Face model directory holding `source`'s files (weights, tokenizer, generation config) as
+    links, nothing copied, beside a config.json that is `source`'s updated by `config` (its token ids and
+    dtype kept): the same weights under another architecture's rope. Written atomically."""
+    values = read_json(source / "config.json")
+    # `config` gives rope_theta and rope_scaling; transformers 5 would read a stale rope_parameters first.
+    values.pop("rope_parameters", None)
+    values.update(config)
+    with atomic_directory(directory) as temp:
+        for file in sorted(source.resolve().iterdir()):
+            if file.is_file() and file.name != "config.json":
+                (temp / file.name).symlink_to(file)
+        (temp / "config.json").write_text(json.dumps(values, indent=1))
+    return directory
 
 
 def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path,

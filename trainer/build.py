@@ -14,7 +14,7 @@ from conf.schema.model import ARCHITECTURE_KEYS, given_architecture
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
-from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, with_overrides
+from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, is_lora, save_linked_model, unwrap_llama, with_overrides
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
@@ -211,14 +211,28 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
     return Built(model, plan, policy)
 
 
+def extends_checkpoint(cfg) -> bool:
+    """Whether the model built changes model.path's rope (a context extension)."""
+    return bool(cfg.model.path) and bool(rope_changes(model_architecture(cfg), checkpoint_architecture(cfg)))
+
+
 def lora_base_path(cfg) -> str | None:
-    """Where the saved adapter's base lives: model.path, or for a random init the base_model/ directory the
-    run keeps (trainer.loop.keep_random_base); None when it keeps none."""
-    if cfg.model.path:
+    """Where the saved adapter's base lives: model.path; for a changed rope or a random init the base_model/
+    directory the run keeps (keep_extended_base, trainer.loop.keep_random_base), so that an adapter never
+    loads onto a base with another rope; None when it keeps none."""
+    if cfg.model.path and not extends_checkpoint(cfg):
         return str(Path(cfg.model.path).expanduser().resolve())
-    if cfg.checkpoint.save_random_base:
+    if cfg.model.path or cfg.checkpoint.save_random_base:
         return str(Path(cfg.output_dir).resolve() / BASE_MODEL_DIR)
     return None
+
+
+def keep_extended_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
+    """The base a LoRA adapter on a changed rope names (lora_base_path), once: model.path's files linked
+    beside a config.json of the architecture built, which transformers and peft then load with that rope."""
+    base_dir = run_dir / BASE_MODEL_DIR
+    if is_lora(model) and extends_checkpoint(cfg) and not base_dir.is_dir():
+        save_linked_model(Path(cfg.model.path).expanduser(), unwrap_llama(model).config.to_hf_dict(), base_dir)
 
 
 def lora_model(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:

@@ -26,8 +26,8 @@ from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
-from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters, record_architecture,
-                           trained_context)
+from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters, keep_extended_base,
+                           record_architecture, trained_context)
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
@@ -128,6 +128,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     built = build_model(cfg, device, plan)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
+    world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
