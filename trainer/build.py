@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 import kernels
 from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
-from conf.schema.model import ARCHITECTURE_KEYS, given_architecture
+from conf.schema.model import ARCHITECTURE_KEYS, GROUP_DIR, MISSING, ModelConfig
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
@@ -27,6 +27,23 @@ log = logging.getLogger(__name__)
 
 def model_values(model_cfg) -> dict:
     return OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+
+
+def group_values(name: str) -> dict:
+    """The model settings conf/model/<name>.yaml gives ({} for a name no group file has)."""
+    file = GROUP_DIR / f"{name}.yaml"
+    values = OmegaConf.to_container(OmegaConf.load(file)) if file.is_file() else {}
+    nested = values.get("model")           # a file in the global package sets model.* under `model:`
+    return nested if isinstance(nested, dict) else values
+
+
+def given_architecture(model_cfg: dict) -> dict:
+    """The architecture settings of `model_cfg` (a plain dict) that were given rather than left to the model
+    group or the schema: with model.path, these must agree with the checkpoint (or override its rope). A
+    value equal to the group's counts as the group's."""
+    group, defaults = group_values(model_cfg["name"]), ModelConfig()
+    return {key: model_cfg[key] for key in ARCHITECTURE_KEYS
+            if model_cfg[key] not in (None, MISSING) and model_cfg[key] != group.get(key, getattr(defaults, key))}
 
 
 def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:

@@ -39,24 +39,8 @@ class ModelConfig:
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
                      "rope_scaling", "tie_word_embeddings")
+# The model group files (conf/model/<name>.yaml).
 GROUP_DIR = Path(__file__).resolve().parents[1] / "model"
-
-
-def group_values(name: str) -> dict:
-    """The settings conf/model/<name>.yaml gives the model group ({} for a name no group file has)."""
-    import yaml
-    file = GROUP_DIR / f"{name}.yaml"
-    values = (yaml.safe_load(file.read_text()) or {}) if file.is_file() else {}
-    nested = values.get("model")           # a file in the global package sets model.* under `model:`
-    return nested if isinstance(nested, dict) else values
-
-
-def given_architecture(model_cfg: dict) -> dict:
-    """The architecture settings of `model_cfg` (a plain dict) that were given rather than left to the model
-    group or the schema: with model.path, these must agree with the checkpoint (or override its rope)."""
-    group, defaults = group_values(model_cfg["name"]), ModelConfig()
-    return {key: model_cfg[key] for key in ARCHITECTURE_KEYS
-            if model_cfg[key] not in (None, MISSING) and model_cfg[key] != group.get(key, getattr(defaults, key))}
 
 
 def check_model(model_cfg) -> None:
