@@ -20,15 +20,20 @@ import torch
 from model.config import LlamaConfig
 
 
+# What transformers' rope initialisation reads of a Llama config.
+ROPE_INPUTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+               "rope_theta", "rope_scaling")
+
+
 @functools.lru_cache(maxsize=8)
-def _hf_config(hf_dict_json: str):
+def _hf_config(values_json: str):
     from transformers import LlamaConfig as HFLlamaConfig
-    return HFLlamaConfig(**json.loads(hf_dict_json))
+    return HFLlamaConfig(**json.loads(values_json))
 
 
 def hf_config(cfg: LlamaConfig):
-    """transformers' LlamaConfig of `cfg` (cached: the tables are built every forward)."""
-    return _hf_config(json.dumps(cfg.to_hf_dict(), sort_keys=True))
+    """transformers' LlamaConfig of `cfg`'s rope (cached: the tables are built every forward)."""
+    return _hf_config(json.dumps({key: getattr(cfg, key) for key in ROPE_INPUTS}, sort_keys=True))
 
 
 def default_frequencies(cfg: LlamaConfig, device: torch.device | str | None) -> torch.Tensor:

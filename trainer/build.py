@@ -14,7 +14,8 @@ from conf.schema.model import ARCHITECTURE_KEYS, GROUP_DIR, MISSING, ModelConfig
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
-from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, is_lora, save_linked_model, unwrap_llama, with_overrides
+from model.hf_checkpoint import (ROPE_OVERRIDE_KEYS, is_lora, read_config, save_linked_model, unwrap_llama,
+                                 with_overrides)
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
@@ -65,7 +66,6 @@ def architecture(model_cfg) -> LlamaConfig:
 
 def checkpoint_architecture(cfg) -> LlamaConfig:
     """model.path's own architecture, as its config.json says."""
-    from model.hf_checkpoint import read_config
     return read_config(Path(cfg.model.path).expanduser())
 
 
