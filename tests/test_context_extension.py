@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 from conf.validate import ConfigError, validate
 from model import Llama
@@ -20,6 +21,7 @@ from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
 from tests.jobs_support import FAST, REPO, job_config, single_torch_thread  # noqa: F401
 from trainer.build import context_summary, record_architecture
 from trainer.checkpoint_format import ADAPTER_DIR, CheckpointError, load_adapter
+from trainer.resume import config_differences
 import trainer.loop
 from trainer.loop import train
 
@@ -128,6 +130,18 @@ def test_resume_refuses_a_changed_rope_and_the_summary_warned(tmp_path, short_ba
         train(job_config(run, "max_steps=3", f"model.path={short_base}", "model.rope_theta=40000"))
     assert train(job_config(run, "max_steps=3", f"model.path={short_base}", "model.rope_theta=40000",
                             "resume_force=true"))["step"] == 3
+
+
+def test_a_run_that_recorded_its_model_group_still_resumes(short_base):
+    """Runs before the architecture was recorded saved the model group's values beside model.path."""
+    older = job_config(REPO / "unused", f"model.path={short_base}")
+    assert older.model.num_attention_heads == 8 and older.model.max_position_embeddings is None    # tiny's
+    now = job_config(REPO / "unused", f"model.path={short_base}")
+    record_architecture(now)
+    assert now.model.num_attention_heads == 4 and now.model.max_position_embeddings == CONTEXT
+    assert config_differences(OmegaConf.to_yaml(older), now) == []
+    now.model.rope_theta = 40000.0
+    assert config_differences(OmegaConf.to_yaml(older), now) == ["model.rope_theta: checkpoint 10000.0, now 40000.0"]
 
 
 def test_an_override_changes_the_model_and_other_architecture_keys_are_refused(short_base):
