@@ -59,7 +59,7 @@ def test_matches_the_fp32_reference(seqlen, q_heads, kv_heads, head_dim, causal)
 
 
 def test_the_forward_is_the_gluon_kernel_and_its_statistics_are_cudnns():
-    """On Hopper the forward is kernels.flash_attention_hopper's (the gradients above use its statistics); its
+    """On Hopper the forward is kernels.attention.flash_attention_hopper's (the gradients above use its statistics); its
     log-sum-exp, turned to natural log, equals the statistics cuDNN's own forward returns."""
     q, k, v = (t.detach() for t in _inputs(2048, 8, 2))
     if not flash_attention_hopper.supports(q):

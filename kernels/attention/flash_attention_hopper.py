@@ -9,18 +9,18 @@ Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(the Triton forward ran behind cuDNN's: docs/PERFORMANCE.md).
+(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of c729dfe:docs/BENCHMARKS.md).
 Here a work item is 128 query rows of one head; a persistent CTA per SM takes items in turn, with three
 partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves an item's Q and then each key tile's K and V by TMA into a two-stage
   ring, refilling a stage when both row groups have signalled (mbarriers) that they are done with it, and
   runs into the next item while the row groups end the last (a CTA per item, the next one waiting for the
-  last to end, was slower on packed documents and short rows: docs/PERFORMANCE.md);
+  last to end, was 13% slower on 16 x 4k packed documents, 4% at 8k, the same from 32k);
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
-  softmax runs while the tensor cores do the other's products (without turns, slower at the longest rows:
-  docs/PERFORMANCE.md).
+  softmax runs while the tensor cores do the other's products (without turns, 1.6% slower at 131k; at 8k,
+  32k and 16 x 4k within the spreads: c729dfe:docs/BENCHMARKS.md).
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
@@ -50,7 +50,7 @@ LOAD_REGISTERS = gl.constexpr(24)
 SUPPORTED_HEAD_DIMS = (64, 128)
 # Query blocks a row from which work items go KV head by KV head (_work_item): 32k tokens, where it was
 # measured to matter. Rows of documents never do: each document's own causal triangle upsets the order's
-# balance (packed documents ran slower in it: docs/PERFORMANCE.md).
+# balance (16 documents of 4k tokens ran 20% slower in it).
 KV_MAJOR_BLOCKS = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -130,16 +130,16 @@ def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
     (`_round_item`).
     - Below `kv_major_blocks` query blocks a row, and in rows of documents, items go heads fastest, then a
       causal row's latest blocks, which do the most work, first, then batch rows: every round is about as
-      heavy across the CTAs (block order within each head in turn left the GPU idle at the end in a
-      list-scheduling model).
+      heavy across the CTAs (block order within each head in turn left the GPU 5% idle at the end at 8k
+      tokens in a list-scheduling model).
     - From there, the query heads of one KV head fastest, then blocks, then KV heads, then batch rows, so that
       a round reads the keys and values of one or two KV heads instead of all 8 (Llama-3 8B), which all its
-      CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: the forward ran
-      faster with one KV head than with 8, and this order with mirrored rounds faster than heads fastest
-      (docs/PERFORMANCE.md). The runs of blocks alternate their
+      CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: at 131k the
+      forward ran 6% faster with one KV head than with 8, and this order with mirrored rounds ran 4-5%
+      faster at 32k and 131k than heads fastest (docs/PERFORMANCE.md). The runs of blocks alternate their
       direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: with
       the mirrored rounds, the most loaded of 132 CTAs is within 0.1% of their mean from 32k tokens, batch 1
-      or 2 (114 CTAs: 1.1%; docs/experiments/work_item_order.py)."""
+      or 2 (114 CTAs: 1.1%; scripts/experiments/work_item_order.py)."""
     n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, kv_major_blocks = schedule
     if not HAS_DOCS and n_blocks >= kv_major_blocks:
         kv_heads = q_heads // GROUP
@@ -169,8 +169,8 @@ def _round_item(index):
     round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in
     the next, so the CTAs end each pair of rounds together instead of drifting apart round after round; in
     step, the CTAs of one KV head read each key tile at about the same time, once from HBM and then from L2
-    (with work items KV head by KV head, the long forward ran faster than with CTA c taking items c,
-    c + num_programs, ...; docs/PERFORMANCE.md)."""
+    (with work items KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c,
+    c + num_programs, ...; c729dfe:docs/BENCHMARKS.md)."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 

@@ -105,21 +105,22 @@ _checked_bounds = WeakIdKeyDictionary()
 
 def _checked_document_bounds(cu_seqlens: torch.Tensor, batch: int, seqlen: int,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_document_bounds of a checked cu_seqlens, computed once per tensor and layout (every call for an
+    """document_bounds of a checked cu_seqlens, computed once per tensor and layout (every call for an
     inference-mode tensor, which has no version to tell a change by)."""
     stamp = None if cu_seqlens.is_inference() else (cu_seqlens._version, batch, seqlen, device)
     known = _checked_bounds.get(cu_seqlens)
     if stamp is not None and known is not None and known[0] == stamp:
         return known[1]
     check_cu_seqlens(cu_seqlens, batch, seqlen)
-    bounds = _document_bounds(cu_seqlens.to(device), batch * seqlen)
+    bounds = document_bounds(cu_seqlens.to(device), batch * seqlen)
     if stamp is not None:
         _checked_bounds[cu_seqlens] = (stamp, bounds)
     return bounds
 
 
-def _document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, the start and end offsets of its document (int32, O(total) memory)."""
+def document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the start and end offsets of its document (int32, O(total) memory): the doc_start and
+    doc_end that the attention kernels take."""
     positions = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
     doc = torch.searchsorted(cu_seqlens[1:], positions, right=True)
     return cu_seqlens[doc].contiguous(), cu_seqlens[doc + 1].contiguous()
