@@ -16,7 +16,7 @@ import importlib
 import torch
 
 from conf.schema.job import check_kernels_backend
-from kernels import reference
+import kernels.reference as reference
 
 # The ops with a Triton twin: each lives in `kernels/<op>_triton.py` as a function of the op's name.
 TRITON_OPS = ("rms_norm", "layer_norm", "linear_cross_entropy", "adamw_update", "rope", "swiglu")

@@ -57,62 +57,6 @@ def test_no_import_points_up_or_across():
     assert layering_violations(project_modules()) == []
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imported_files(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports: `from a import b` is module a.b where that is a file, else a."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name in modules)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for alias in node.names:
-                submodule = f"{node.module}.{alias.name}"
-                found.update({submodule} if submodule in modules else {node.module} & modules)
-    return found - {module_name(path)}
-
-
-def import_cycles(files: list[Path]) -> list[set[str]]:
-    """The sets of modules that import one another in a circle (strongly connected, more than one)."""
-    modules = {module_name(path): path for path in files}
-    graph = {name: imported_files(path, set(modules)) for name, path in modules.items()}
-    reach = {}
-    for start in graph:        # the modules each one reaches, by a walk of the graph
-        seen, todo = set(), list(graph[start])
-        while todo:
-            name = todo.pop()
-            if name not in seen:
-                seen.add(name)
-                todo += graph[name]
-        reach[start] = seen
-    cycles = []
-    for name in sorted(graph):
-        circle = {other for other in reach[name] if name in reach[other]}
-        if circle and circle not in cycles:
-            cycles.append(circle)
-    return cycles
-
-
-def test_no_file_imports_one_that_imports_it_back():
-    assert import_cycles(project_modules()) == []
-
-
-def test_the_cycle_check_finds_a_circle_through_a_function_body(tmp_path, monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    files = {"kernels/__init__.py": "", "kernels/attention/__init__.py": "from kernels.attention.route import x\n",
-             "kernels/attention/route.py": "def f():\n    from kernels.attention import function\n",
-             "kernels/attention/function.py": "from kernels.attention.route import x\n",
-             "kernels/reference.py": "import torch\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    found = import_cycles([tmp_path / name for name in files])
-    assert found == [{"kernels.attention.function", "kernels.attention.route"}]
-
-
 @pytest.mark.parametrize("source, importer, expected", [
     ("from trainer.loop import train\n", "offload/x.py", 1),      # upward
     ("import data\n", "kernels/x.py", 1),                         # across the bottom layer
@@ -165,6 +109,25 @@ def import_cycles(files: list[Path]) -> list[list[str]]:
     return cycles
 
 
-def test_model_modules_import_each_other_one_way():
-    """model/llama.py loads checkpoints through model/hf_checkpoint.py, which never imports it back."""
-    assert import_cycles(sorted((ROOT / "model").glob("*.py"))) == []
+def test_no_file_imports_one_that_imports_it_back():
+    """Every package, subpackages (kernels/attention/) included: e.g. model/llama.py loads checkpoints through
+    model/hf_checkpoint.py, which never imports it back; kernels/attention/route.py loads the implementations
+    on first use, and none imports the route or the package's __init__ back."""
+    assert import_cycles(project_modules()) == []
+
+
+@pytest.mark.parametrize("route_imports, cycle", [
+    ("def f():\n    import kernels.attention.function\n", {"kernels.attention.function", "kernels.attention.route"}),
+    ("from kernels.attention import support\n", {"kernels.attention", "kernels.attention.route"}),   # the __init__
+    ("import kernels.attention.support as support\n", None),
+])
+def test_the_cycle_check_counts_imports_in_functions_and_a_packages_init(tmp_path, monkeypatch, route_imports, cycle):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    files = {"kernels/attention/__init__.py": "from kernels.attention.route import attention\n",
+             "kernels/attention/route.py": route_imports, "kernels/attention/support.py": "import torch\n",
+             "kernels/attention/function.py": "from kernels.attention.route import attention\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = {frozenset(path) for path in import_cycles([tmp_path / name for name in files])}
+    assert found == ({frozenset(cycle)} if cycle else set())

@@ -28,7 +28,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from kernels.attention import attention_tape
+import kernels.attention.attention_tape as attention_tape
 from kernels.attention.attention_workspace import fewest_head_groups
 
 LN2 = math.log(2)
@@ -118,7 +118,8 @@ def _forward(q, k, v, causal: bool, scale: float, forward: str):
     if forward == "gluon":
         # Imported here, not with this module: importing Triton fixes its choice of interpreter or compiler for
         # the process, which importing the model (and so this module) must leave to the caller.
-        from kernels.attention import flash_attention, flash_attention_hopper
+        import kernels.attention.flash_attention as flash_attention
+        import kernels.attention.flash_attention_hopper as flash_attention_hopper
         flash_attention.check_shapes(q, k, v)     # the kernel reads K/V heads as Hq // Hkv: refuse what it cannot
         flash_attention.ensure_allocator(q.device)
         out, lse_log2 = flash_attention_hopper.attention_forward(q, k, v, None, None, causal,

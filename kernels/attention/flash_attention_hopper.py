@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels.attention import _attention_tiles
+import kernels.attention._attention_tiles as _attention_tiles
 from kernels.attention.support import runs_hopper_code
 
 GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)

@@ -14,7 +14,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from conf.schema.job import triton_interpreting
-from kernels.attention import attention_tape, flash_attention, flash_attention_hopper, flash_attention_hopper_backward
+import kernels.attention.attention_tape as attention_tape
+import kernels.attention.flash_attention as flash_attention
+import kernels.attention.flash_attention_hopper as flash_attention_hopper
+import kernels.attention.flash_attention_hopper_backward as flash_attention_hopper_backward
 from kernels.attention.flash_attention import LOG2E, TUNE_MAX_SEQLEN
 from kernels.reference import check_cu_seqlens
 

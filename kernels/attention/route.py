@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
-from kernels import dispatch, reference
-from kernels.attention import attention_workspace, cudnn_attention
+import kernels.attention.attention_workspace as attention_workspace
+import kernels.attention.cudnn_attention as cudnn_attention
+import kernels.dispatch as dispatch
+import kernels.reference as reference
 from kernels.attention.support import runs_hopper_code, tma_compatible, triton_takes
 
 FORWARDS = ("gluon", "triton", "reference")
@@ -83,7 +85,7 @@ class AttentionRoute:
         """The forward a call runs: the Gluon kernel where the route names it and the kernel reads these
         inputs (flash_attention_hopper.takes: 16-bit, a token's heads within its row; tensor descriptors' alignment
         too before cuDNN's backward); otherwise Triton's, or before cuDNN's backward cuDNN's own forward."""
-        from kernels.attention import flash_attention_hopper
+        import kernels.attention.flash_attention_hopper as flash_attention_hopper
         gluon = self.forward == "gluon" and flash_attention_hopper.takes(q, k, v)
         if self.backward == "cudnn":
             return "gluon" if gluon and all(tma_compatible(t) for t in (q, k, v)) else "cudnn"
@@ -92,7 +94,8 @@ class AttentionRoute:
     def backward_runs(self, q: torch.Tensor, do: torch.Tensor) -> str:
         """Our backward for this dO: the one-pass Gluon one where the route names it and the kernel reads q
         and dO through one descriptor over all heads (a broadcast dO, from out.sum(), it cannot), else Triton's."""
-        from kernels.attention import flash_attention_hopper, flash_attention_hopper_backward
+        import kernels.attention.flash_attention_hopper as flash_attention_hopper
+        import kernels.attention.flash_attention_hopper_backward as flash_attention_hopper_backward
         one_pass = (self.backward == "gluon" and flash_attention_hopper.supports(q)
                     and flash_attention_hopper_backward.supports(q, do) and tma_compatible(do))
         return "gluon" if one_pass else "triton"
