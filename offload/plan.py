@@ -99,7 +99,7 @@ class MemoryPlan:
                  + f"attention outputs kept gpu={self.kept_attention(AttentionPlacement.GPU)} "
                  f"host={self.kept_attention(AttentionPlacement.HOST)}, mlp_tiles={self.mlp_tiles}"
                  + (f", full_state={self.full_state}" if self.full_state else "")
-                 + f", attention {self.attention_route.describe()}"
+                 + f", attention kernel {self.attention_kernel}"
                  + (", layer 0's input looked up again from the embedding" if self.count(Placement.EMBEDDING) else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):

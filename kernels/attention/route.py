@@ -65,10 +65,6 @@ class AttentionRoute:
         workspace) or "flash" (our kernels and the reference)."""
         return "cudnn" if self.backward == "cudnn" else "flash"
 
-    def describe(self) -> str:
-        deterministic = " (deterministic)" if self.deterministic else ""
-        return f"{self.forward} forward and {self.backward} backward{deterministic}"
-
     def for_call(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> AttentionRoute:
         """The route of one call: the reference for inputs our kernels do not take under kernels=auto (a CPU
         tensor, a head dim or dtype they lack); under a cuDNN backward, rows cuDNN does not take (packed
