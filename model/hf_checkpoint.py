@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import LlamaConfig
-from model.llama import unwrap_llama
+from model.wrappers import unwrap_llama
 from storage.atomic import atomic_directory
 
 # The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.

@@ -110,11 +110,6 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-def unwrap_llama(model: nn.Module) -> "Llama":
-    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 class Llama(nn.Module):
     """Causal LM: `forward` returns the final hidden states; the loss comes from them and
     `lm_head.weight` through `kernels.linear_cross_entropy`, so full logits are never built."""

@@ -26,10 +26,10 @@ from data.tokenize import tokenizer_files  # noqa: E402
 from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, read_config, token_ids,  # noqa: E402
                                  weight_files)
 from trainer.build import architecture  # noqa: E402
-from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
+from trainer.checkpoint.format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
                                        load_adapter, marker_problem)
-from trainer.disk_space import save_hf_model_if_room  # noqa: E402
-from trainer.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
+from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
+from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

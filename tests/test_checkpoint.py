@@ -13,13 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import trainer.disk_space
+import trainer.checkpoint.disk_space
 from tests.jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
 from model import Llama
 from storage.atomic import atomic_directory
 from trainer.build import architecture
-from trainer.checkpoint_format import CheckpointError, load_adapter, marker_problem
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.format import CheckpointError, load_adapter, marker_problem
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train
 
 
@@ -50,7 +50,7 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
 
 def test_too_little_disk_is_a_clear_error_and_keeps_older_checkpoints(tmp_path, monkeypatch):
     train(job_config(tmp_path, "max_steps=2"))
-    monkeypatch.setattr(trainer.disk_space.shutil, "disk_usage",
+    monkeypatch.setattr(trainer.checkpoint.disk_space.shutil, "disk_usage",
                         lambda path: namedtuple("usage", "total used free")(10 ** 9, 10 ** 9, 10 ** 6))
     with pytest.raises(CheckpointError, match="not enough disk .* GiB are free"):
         train(job_config(tmp_path, "max_steps=3"))

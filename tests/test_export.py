@@ -15,7 +15,7 @@ from tests.data_support import save_tokenizer
 from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
 from model import Llama
 from scripts.export import ExportError, export
-from trainer.checkpoint_format import ADAPTER_DIR, load_adapter
+from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
 from trainer.loop import train
 from model import unwrap_llama
 

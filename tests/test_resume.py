@@ -13,8 +13,8 @@ import trainer.loop
 from data import DataError
 from tests.data_support import checkpoint, text_file  # noqa: F401
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
-from trainer.checkpoint_format import CheckpointError
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.format import CheckpointError
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train
 from trainer.optim import lr_multiplier
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
 from tests.test_checkpoint import damage
-from trainer.checkpoint_format import CheckpointError
+from trainer.checkpoint.format import CheckpointError
 from trainer.loop import train
 from trainer.metrics import METRICS_FILE
 

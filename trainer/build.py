@@ -18,7 +18,7 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
-from trainer.checkpoint_format import BASE_MODEL_DIR
+from trainer.checkpoint.format import BASE_MODEL_DIR
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -87,8 +87,8 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings += [f"parallel.sequence={cfg.parallel.sequence}"] * (cfg.parallel.sequence != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
     if plan.gpu["weights"] > plan.capacity.gpu_limit > 0:     # no memory.* setting can help
-        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
-                   f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
+        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host "
+                   f"can give ({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
     else:
         failure = plan.failure()
     return (f"{why}, so this job would train on the CPU with the host's memory as the device's, and "

@@ -2,7 +2,7 @@
 
 Run directory (output_dir): config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/, and for
 LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
-trainer.checkpoint_manager (crash-safe checkpoints), trainer.resume (which one to continue from),
+trainer.checkpoint.manager (crash-safe checkpoints), trainer.checkpoint.resume (which one to continue from),
 trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and
 trainer.console (what is recorded and shown).
 """
@@ -27,17 +27,17 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.build import Built, build_model, checked_plan, count_parameters
-from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.disk_space import save_hf_model_if_room
+from trainer.checkpoint.format import BASE_MODEL_DIR, Progress
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.resume import checkpoint_to_resume, keep_started_warmup
 from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
                              step_line)
-from trainer.disk_space import save_hf_model_if_room
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import checkpoint_to_resume, keep_started_warmup
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step

@@ -6,7 +6,7 @@ that peft.AutoPeftModelForCausalLM loads it onto transformers' Llama, and load_a
 fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
 scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
 and config.yaml (the resolved config of the run). A run over several processes saves the trainable weights
-and optimizer state in state/ instead (trainer.sharded_state: DCP, readable on any number of processes),
+and optimizer state in state/ instead (trainer.checkpoint.sharded_state: DCP, readable on any number of processes),
 LoRA's adapter/ beside it for export. The COMPLETE marker, written last, lists every file and
 its size; a directory without a valid marker is incomplete and never resumed from.
 """
@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weights
 from storage.atomic import atomic_write_text
+from trainer.checkpoint.rng_state import capture_rng_state, own_cuda_rng_state
+from trainer.checkpoint.sharded_state import STATE_DIR, save_sharded_state, trainable_weights
 from trainer.distributed import World
-from trainer.rng_state import capture_rng_state, own_cuda_rng_state
-from trainer.sharded_state import STATE_DIR, save_sharded_state, trainable_weights
 from trainer.sharding import is_sharded
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -86,7 +86,7 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
                      progress: Progress, config_yaml: str, world: World = World.single()) -> None:
     """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later. Over
     several processes (collective: every rank calls it) the trainable weights and optimizer state go to
-    state/ through DCP (trainer.sharded_state), and rank 0 writes the rest, the adapter included."""
+    state/ through DCP (trainer.checkpoint.sharded_state), and rank 0 writes the rest, the adapter included."""
     cuda_by_rank = None
     adapter = None
     if world.distributed:

@@ -1,4 +1,4 @@
-"""The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint_format): when
+"""The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint.format): when
 the next periodic one is due, writing one crash-safely, keeping the newest keep_last, and reading and
 restoring one. Only complete checkpoints are ever deleted, and only by keep_last.
 
@@ -17,14 +17,14 @@ import torch
 
 from model.hf_checkpoint import is_lora
 from storage.atomic import TEMP_PREFIX, atomic_directory, fresh_temp_directory, publish_directory
-from trainer.checkpoint_format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
+from trainer.checkpoint.disk_space import check_free_disk, checkpoint_size
+from trainer.checkpoint.format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
                                        complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
                                        write_checkpoint, write_complete_marker)
-from trainer.disk_space import check_free_disk, checkpoint_size
-from trainer.optim import continue_schedule
+from trainer.checkpoint.rng_state import restore_rng_state
+from trainer.checkpoint.sharded_state import load_full_state, load_sharded_state
 from trainer.distributed import World
-from trainer.rng_state import restore_rng_state
-from trainer.sharded_state import load_full_state, load_sharded_state
+from trainer.optim import continue_schedule
 from trainer.sharding import is_sharded
 
 log = logging.getLogger(__name__)

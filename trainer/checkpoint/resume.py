@@ -7,9 +7,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.checkpoint_format import (BASE_MODEL_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs,
+from trainer.checkpoint.format import (BASE_MODEL_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs,
                                        step_of)
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
