@@ -40,9 +40,9 @@ def job_config(run_dir: Path, *overrides: str):
         return compose("config", overrides=[*FAST, f"output_dir={run_dir}", *overrides])
 
 
-def start_training(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """train.py in a real child process (for signals), logging to <run_dir>.log."""
-    log = open(f"{run_dir}.log", "w")
+def start_training(run_dir: Path, *overrides: str, log_path: Path | None = None) -> subprocess.Popen:
+    """train.py in a real child process (for signals), logging to `log_path` (default <run_dir>.log)."""
+    log = open(log_path or f"{run_dir}.log", "w")
     return subprocess.Popen([sys.executable, "train.py", *FAST, f"output_dir={run_dir}", *overrides],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
 

@@ -12,6 +12,7 @@ finish_job closes the records and shows the end summary.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -31,6 +32,7 @@ from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
+from storage.lock import DirectoryLock, LockHeld
 from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint.disk_space import save_hf_model_if_room
 from trainer.checkpoint.format import BASE_MODEL_DIR, Progress
@@ -57,12 +59,39 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# In the run directory: held by the run writing there (one_writer).
+RUN_LOCK = "run.lock"
+
+
 def create_run_dir(run_dir: Path) -> None:
     """The first write of a run, after validation: output_dir."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
+
+
+@contextlib.contextmanager
+def one_writer(run_dir: Path, world: World):
+    """While open, rank 0 holds the run directory's lock (storage.lock), taken before anything is written
+    there: a second run on the same output_dir stops with one line naming the holder."""
+    lock = DirectoryLock(run_dir / RUN_LOCK)
+    world.on_main(lambda: take_run_dir(lock, run_dir))
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def take_run_dir(lock: DirectoryLock, run_dir: Path) -> None:
+    try:
+        lock.acquire()
+    except LockHeld as held:
+        raise ConfigError(f"output_dir={run_dir} is in use by another run ({held}): wait for it to end, or give "
+                          f"another output_dir") from None
+    except OSError as error:
+        raise ConfigError(f"output_dir={run_dir} cannot be locked for this run ({error.strerror}): give an "
+                          f"output_dir on a filesystem with file locks (docs/JOBS.md)") from None
 
 
 def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
@@ -108,7 +137,7 @@ def train(cfg) -> dict:
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
         world.on_main(lambda: create_run_dir(run_dir))
-        with logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
+        with one_writer(run_dir, world), logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
             return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
     finally:
         kernels.set_sequence_parallel(None)
