@@ -27,7 +27,7 @@ from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, 
                                  weight_files)
 from trainer.build import architecture  # noqa: E402
 from trainer.checkpoint.format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
-                                       load_adapter, marker_problem)
+                                       content_problem, load_adapter)
 from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
 from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
 
@@ -85,7 +85,7 @@ def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, to
 
 def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
     checkpoint = Path(checkpoint).expanduser()
-    problem = marker_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
+    problem = content_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
     if problem:
         raise ExportError(f"cannot export {checkpoint}: {problem}. Give a complete "
                           f"<run dir>/checkpoints/step-<N> directory.")

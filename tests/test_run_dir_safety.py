@@ -4,18 +4,15 @@ checkpoints a resume skipped are set aside, not replaced or pruned, and a direct
 (checked on real processes)."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.jobs_support import (FAST, REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
-                                start_training, wait_for)
+from tests.jobs_support import (TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
+                                start_training, train_process, wait_for)
 from tests.test_checkpoint import damage
 from trainer.checkpoint.format import CheckpointError
 from trainer.loop import train
@@ -71,12 +68,6 @@ def test_a_checkpoint_skipped_by_resume_is_set_aside_not_replaced(tmp_path, how)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2.unreadable", "step-3"]
     assert snapshot(checkpoints / "step-2.unreadable") == damaged
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
-
-
-def train_process(run_dir, *overrides: str) -> subprocess.CompletedProcess:
-    """train.py run to its end in a child process; its output captured."""
-    return subprocess.run([sys.executable, "train.py", *FAST, f"output_dir={run_dir}", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT_S, env=os.environ | {"OMP_NUM_THREADS": "1"})
 
 
 def test_two_runs_started_together_on_a_new_output_dir_leave_one_writer(tmp_path):

@@ -271,12 +271,19 @@ def run_steps(job: Job) -> dict:
             applied, metrics = run_step(job, step)
             if job.metrics_log:
                 record = record_step(job, step, applied, metrics)
-            job.guard.stop_if_exhausted(step, job.last_checkpoint)
+            if job.guard.exhausted:
+                job.guard.stop(step, last_good_checkpoint(job))
             for hook in job.after_step:
                 hook(job, step, metrics)
             if checkpoint_after(job, step, applied, stop.requested):
                 break
     return record
+
+
+def last_good_checkpoint(job: Job) -> Path | None:
+    """The newest checkpoint of the job whose files still match their checksums, checked by rank 0 alone."""
+    world = job.world
+    return world.main_value(job.checkpoints.last_good(job.last_checkpoint) if world.is_main else None)
 
 
 def run_step(job: Job, step: int) -> tuple[bool, dict]:

@@ -19,8 +19,8 @@ from model.hf_checkpoint import is_lora
 from storage.atomic import TEMP_PREFIX, atomic_directory, fresh_temp_directory, publish_directory
 from trainer.checkpoint.disk_space import check_free_disk, checkpoint_size
 from trainer.checkpoint.format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
-                                       complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
-                                       write_checkpoint, write_complete_marker)
+                                       complete_checkpoints, content_problem, read_checkpoint, step_dir, step_dirs,
+                                       step_of, write_checkpoint, write_complete_marker)
 from trainer.checkpoint.rng_state import restore_rng_state
 from trainer.checkpoint.sharded_state import load_full_state, load_sharded_state
 from trainer.distributed import World
@@ -73,13 +73,13 @@ class CheckpointManager:
         size = checkpoint_size(model, optimizer)
         world.on_main(lambda: self._prepare(size))
         if world.distributed:
-            self._write_together(final, world, lambda temp: write_checkpoint(
+            checksums = self._write_together(final, world, lambda temp: write_checkpoint(
                 temp, model, optimizer, scheduler, data, progress, config_yaml, world))
         else:
             with atomic_directory(final) as temp:
-                write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
+                checksums = write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
         # No rank goes on (to a resume, or the next save) before the checkpoint is complete.
-        world.on_main(lambda: self._complete(final))
+        world.on_main(lambda: self._complete(final, checksums))
         self.restart_interval(progress.step)
         return final
 
@@ -89,18 +89,19 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
         check_free_disk(self.root, size)
 
-    def _complete(self, final: Path) -> None:
-        write_complete_marker(final)
+    def _complete(self, final: Path, checksums: dict[str, str]) -> None:
+        write_complete_marker(final, checksums)
         self.prune()
 
     @staticmethod
-    def _write_together(final: Path, world: World, write) -> None:
+    def _write_together(final: Path, world: World, write) -> dict[str, str]:
         """Every rank `write`s into one temporary directory that rank 0 made; rank 0 publishes it when all
-        have written."""
+        have written. Returns what `write` returned (the checksums it computed)."""
         temp = world.main_value(fresh_temp_directory(final, "ranks") if world.is_main else None)
-        write(temp)
+        checksums = write(temp)
         world.barrier()
         world.on_main(lambda: publish_directory(temp, final))
+        return checksums
 
     def prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). A directory that is not a
@@ -128,6 +129,15 @@ class CheckpointManager:
     def complete(self) -> list[Path]:
         """The complete checkpoints under `root`, oldest first."""
         return complete_checkpoints(self.root)
+
+    def last_good(self, last: Path | None) -> Path | None:
+        """`last` (the checkpoint this job last wrote or resumed from) if its files still match their
+        checksums, else the newest older checkpoint of this run directory that does; None when none does.
+        Reads every byte of the checkpoints it checks: for the message of a job that stops."""
+        if last is None:
+            return None
+        older = [d for d in reversed(self.complete()) if step_of(d) < step_of(last)]
+        return next((d for d in [last, *older] if content_problem(d) is None), None)
 
     def read(self, path: Path) -> LoadedCheckpoint:
         """The checkpoint at `path`, which may belong to another run; CheckpointError if anything is off."""
