@@ -37,7 +37,7 @@ from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint.disk_space import save_hf_model_if_room
 from trainer.checkpoint.format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import checkpoint_to_resume, keep_started_warmup
+from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
 from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
                              step_line)
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
@@ -211,6 +211,7 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     wandb_run, metrics_log = open_records(cfg, run_dir, progress, built, device, world)
     flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
     if loaded:
+        check_same_shapes(loaded, model, cfg)
         checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.

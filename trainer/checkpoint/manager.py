@@ -208,6 +208,16 @@ class CheckpointManager:
         optimizer.load_state_dict(loaded.optimizer)
 
 
+def shape_differences(loaded: LoadedCheckpoint, model: torch.nn.Module) -> list[str]:
+    """'<name> is [..] in the checkpoint, [..] here' for each saved tensor whose shape is not that of
+    `model`'s tensor of that name (none for a state/ directory, which DCP checks as it loads)."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    here = ({disk: tensors[name].shape for disk, name in adapter_names(model).items()} if is_lora(model) else
+            {name: tensor.shape for name, tensor in tensors.items()})
+    return [f"{name} is {list(saved.shape)} in the checkpoint, {list(here[name])} here"
+            for name, saved in loaded.weights.items() if name in here and saved.shape != here[name]]
+
+
 def whole_weights(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A full fine-tuning checkpoint's weights, checked against `model`'s names. A tied head is saved once,
     as the embedding (full_weights): the only name allowed to be absent."""
@@ -221,11 +231,16 @@ def whole_weights(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str,
     return loaded.weights
 
 
+def adapter_names(model: torch.nn.Module) -> dict[str, str]:
+    """The names of a peft `model`'s adapter tensors on disk -> its parameters' names: peft leaves the
+    adapter's name ("default") out of the names on disk."""
+    return {name.replace(f".{model.active_adapter}.", "."): name
+            for name, param in model.named_parameters() if param.requires_grad}
+
+
 def adapter_by_parameter(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A saved adapter's tensors under the names of `model`'s parameters: peft leaves the adapter's name
-    ("default") out of the names on disk."""
-    on_disk = {name.replace(f".{model.active_adapter}.", "."): name
-               for name, param in model.named_parameters() if param.requires_grad}
+    """A saved adapter's tensors under the names of `model`'s parameters."""
+    on_disk = adapter_names(model)
     unexpected = sorted(set(loaded.weights) - set(on_disk))
     missing = sorted(set(on_disk) - set(loaded.weights))
     if unexpected or missing:
