@@ -7,7 +7,7 @@ trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics
 trainer.console (what is recorded and shown).
 
 A job runs in three parts: start_job (resume, build, restore) returns a Job holding what the steps need,
-run_steps trains (each step: run_step, record_step, the hooks of Job.after_step, checkpoint_after), and
+run_steps trains (each step: run_step, the hooks of Job.after_step, record_step, checkpoint_after), and
 finish_job closes the records and shows the end summary.
 """
 from __future__ import annotations
@@ -165,8 +165,9 @@ class Job:
     wandb_run: Any
     last_checkpoint: Path | None
     first_step: int
-    # Called as hook(job, step, metrics) on every rank after each step's metrics are recorded and before
-    # its checkpoint decision: the one place evaluation and other per-step work plug in (docs/JOBS.md).
+    # Called as hook(job, step, metrics) on every rank after each step, before its metrics are recorded (a
+    # hook may add to them) and its checkpoint decision: the one place evaluation and other per-step work
+    # plug in (docs/JOBS.md, "Metrics").
     after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
 
 
@@ -270,12 +271,12 @@ def run_steps(job: Job) -> dict:
     with StopSignals() as stop:
         for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
             applied, metrics = run_step(job, step)
+            for hook in job.after_step:
+                hook(job, step, metrics)
             if job.metrics_log:
                 record = record_step(job, step, applied, metrics)
             if job.guard.exhausted:
                 job.guard.stop(step, last_good_checkpoint(job))
-            for hook in job.after_step:
-                hook(job, step, metrics)
             if checkpoint_after(job, step, applied, stop.requested):
                 break
     return record
