@@ -22,6 +22,7 @@ from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, re
 from conf.schema.parallel import world_size  # noqa: E402
 from conf.validate import check_known_keys  # noqa: E402
 from offload.placement import rebuilding_keeps  # noqa: E402
+from offload.store import Placement  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
@@ -61,8 +62,8 @@ def main(cfg) -> None:
         sys.exit(2)
     print(plan.describe() if plan.fits else plan.failure())
     if plan.placements is not None:
-        full = " f=full: every activation kept" if "full" in plan.placements else ""
-        embedding = " e=looked up from the embedding" if "embedding" in plan.placements else ""
+        full = " f=full: every activation kept" if Placement.FULL in plan.placements else ""
+        embedding = " e=looked up from the embedding" if Placement.EMBEDDING in plan.placements else ""
         print("layer inputs:     ", " ".join(p[0] for p in plan.placements),
               f"(g=gpu h=host r=recomputed{full}{embedding})")
         rebuilt = [rebuilding_keeps(plan.shape, plan.placements, plan.attention, i) for i in range(len(plan.attention))]

@@ -30,7 +30,7 @@ class JobConfig:
     kernels: str = "auto"       # conf.schema.job.KERNEL_BACKENDS
     # Bit-identical results run to run: attention's backward is our Triton two-kernel one, which adds no
     # atomics, instead of cuDNN's or (on Hopper) the one-pass Gluon one, which add dQ with atomics and are
-    # faster (kernels.dispatch.attention_kernels; docs/BENCHMARKS.md).
+    # faster (kernels.dispatch.attention_kernels; docs/PERFORMANCE.md, "Attention").
     deterministic: bool = False
     log_every: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
