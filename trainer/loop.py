@@ -1,7 +1,7 @@
 """The training loop: config in, trained model and a run directory out.
 
-Run directory (output_dir): config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/, and for
-LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
+Run directory (output_dir): run.lock, config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/,
+and for LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
 trainer.checkpoint.manager (crash-safe checkpoints), trainer.checkpoint.resume (which one to continue from),
 trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and
 trainer.console (what is recorded and shown).
@@ -52,15 +52,14 @@ from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
 
+# In the run directory: held by the run writing there (one_writer).
+RUN_LOCK = "run.lock"
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-# In the run directory: held by the run writing there (one_writer).
-RUN_LOCK = "run.lock"
 
 
 def create_run_dir(run_dir: Path) -> None:
