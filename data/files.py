@@ -18,10 +18,10 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.file_problems import files_problem
+from data.file_problems import files_problem, has_text, record_place
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
-from data.tokenize import (DataError, check_tokenizer_files, check_vocabulary, load_tokenizer, tokenize_chat,
-                           tokenize_texts, tokenizer_files)
+from data.tokenize import (DataError, RecordError, check_tokenizer_files, check_vocabulary, load_tokenizer,
+                           tokenize_chat, tokenize_texts, tokenizer_files)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,10 @@ SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 TOKENIZATION_VERSION = 1
 # Below this many records one process tokenizes faster than starting several.
 RECORDS_PER_EXTRA_PROCESS = 20_000
+# Packed rows more padding than this are warned about: the data are short for seq_len.
+PADDING_WARNING = 0.5
+# The document-length percentiles the data summary reports.
+LENGTH_PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -70,10 +74,10 @@ def resolve_source(path: str) -> LocalSource:
     unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
     if unreadable:
         raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
-    # datasets' readers fail obscurely on empty files; they hold no records anyway.
-    non_empty = [file for file in supported if file.stat().st_size > 0]
+    # datasets' readers fail obscurely on empty files and files of blank lines; they hold no records anyway.
+    non_empty = [file for file in supported if file.stat().st_size > 0 and has_text(file)]
     if not non_empty:
-        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty")
+        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only")
     return LocalSource(path, non_empty, builders.pop())
 
 
@@ -169,6 +173,16 @@ class DataStats:
     padding_fraction: float
     long_docs: LongDocCounts
     seq_len: int
+    length_percentiles: dict[int, int]      # of the non-empty documents' token counts
+    longest: int
+
+    def padding_warning(self) -> str | None:
+        """A line when rows are mostly padding (PADDING_WARNING), else None."""
+        if self.padding_fraction <= PADDING_WARNING:
+            return None
+        return (f"data: {self.padding_fraction:.1%} of the packed rows is padding ({self.tokens:,} tokens fill "
+                f"{self.sequences:,} rows of seq_len={self.seq_len}), so most of each step computes nothing: lower "
+                f"seq_len or add data")
 
     def line(self) -> str:
         mean = self.tokens / max(self.documents, 1)
@@ -176,7 +190,9 @@ class DataStats:
         return (f"data: {self.documents:,} documents, {self.tokens:,} tokens (mean {mean:,.1f} per document, "
                 f"{self.targets / max(self.tokens, 1):.1%} trained on) -> {self.sequences:,} sequences of "
                 f"{self.seq_len} per epoch, padding {self.padding_fraction:.1%}; longer than seq_len: "
-                f"{long.split} split, {long.dropped} dropped, {long.truncated} truncated")
+                f"{long.split} split, {long.dropped} dropped, {long.truncated} truncated; document lengths: "
+                + ", ".join(f"p{p} {self.length_percentiles[p]:,}" for p in LENGTH_PERCENTILES)
+                + f", longest {self.longest:,}")
 
 
 def int_column(documents, name: str) -> np.ndarray:
@@ -212,6 +228,9 @@ class PackedDocuments:
         self.pad_id = pad_id
         lengths = int_column(documents, "length")
         self.pieces, long_counts = plan_pieces(lengths, seq_len, long_docs)
+        if not len(self.pieces) and not long_counts.dropped:
+            raise DataError(f"no document is left to train on: all {len(lengths)} records tokenize to nothing (empty "
+                            f"or whitespace only): check data.text_field / data.messages_field")
         if not len(self.pieces):
             raise DataError(f"no document is left to train on: {long_counts.dropped} of {len(lengths)} documents are "
                             f"longer than seq_len={seq_len} and were dropped; set data.long_docs=split or "
@@ -222,10 +241,14 @@ class PackedDocuments:
         self.epoch, self.row = 0, 0
         self._plan_epoch(0)
         kept = self.pieces[:, 2] - self.pieces[:, 1]
-        self.stats = DataStats(documents=int((lengths > 0).sum()), tokens=int(lengths.sum()),
+        present = lengths[lengths > 0]
+        self.stats = DataStats(documents=len(present), tokens=int(lengths.sum()),
                                targets=int(int_column(documents, "targets").sum()), sequences=self.rows_in_epoch,
                                padding_fraction=1 - kept.sum() / (self.rows_in_epoch * seq_len),
-                               long_docs=long_counts, seq_len=seq_len)
+                               long_docs=long_counts, seq_len=seq_len,
+                               length_percentiles={p: int(np.percentile(present, p, method="higher"))
+                                                   for p in LENGTH_PERCENTILES},
+                               longest=int(present.max()))
 
     def _plan_epoch(self, epoch: int) -> None:
         self.order = epoch_order(len(self.pieces), self.seed, epoch)
@@ -289,16 +312,68 @@ class PackedDocuments:
                          if saved.get(key) != value)
 
 
+def trained_positions(documents, seq_len: int, long_docs: str, context: int) -> tuple[int, int]:
+    """(trained tokens, those at positions >= `context`): a token is trained at the position that predicts
+    it, counted from its piece's start (packing keeps documents apart, and a document longer than seq_len
+    is split into pieces that each start at position 0, truncated or dropped: data.long_docs). Reads the
+    trained-on flags chunk by chunk, as content_fingerprint does."""
+    trained = beyond = 0
+    for chunk in documents.with_format("arrow", columns=["is_target"])[:].column("is_target").chunks:
+        lengths = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+        flags = chunk.flatten().to_numpy(zero_copy_only=False).astype(bool)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        index = np.arange(len(flags)) - starts                       # each token's index in its document
+        kept = np.ones(len(flags), dtype=bool)
+        if long_docs == "drop":
+            kept = np.repeat(lengths <= seq_len, lengths)
+        elif long_docs == "truncate":
+            kept = index < seq_len
+        position = index % seq_len                                   # in its piece; 0 predicts nothing
+        counted = flags & kept & (position >= 1)
+        trained += int(counted.sum())
+        beyond += int((counted & (position - 1 >= context)).sum())
+    return trained, beyond
+
+
+def log_positions_beyond(documents, seq_len: int, long_docs: str, context: int) -> None:
+    """The share of trained tokens at positions beyond model.path's context; a warning when there are none,
+    since a context extension then trains nothing new."""
+    trained, beyond = trained_positions(documents, seq_len, long_docs, context)
+    share = beyond / max(trained, 1)
+    if beyond:
+        log.info("data: %.1f%% of trained tokens (%s) are at positions beyond model.path's context of %d",
+                 100 * share, f"{beyond:,}", context)
+    else:
+        log.warning("data: no trained token is at a position beyond model.path's context of %d (packing keeps "
+                    "documents apart, so positions are bounded by the longest document): positions up to seq_len="
+                    "%d are never trained; add documents longer than %d tokens (docs/LONG_CONTEXT.md)",
+                    context, seq_len, context)
+
+
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      tokenizer_path: str) -> PackedDocuments:
+                      tokenizer_path: str, trained_context: int | None = None) -> PackedDocuments:
     tokenizer = load_tokenizer(tokenizer_path)
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
     source = resolve_source(cfg.path)
     records = load_records(source, cfg)
     fmt, field = record_format(cfg, records.column_names, cfg.path)
-    documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
+    try:
+        documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
+    except RecordError as error:
+        raise DataError(f"{record_name(source, cfg, error.record)}, {error.problem}") from None
     long_docs = cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     stream = PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
     log.info(stream.stats.line())
+    if warning := stream.stats.padding_warning():
+        log.warning(warning)
+    if trained_context is not None and trained_context < seq_len:
+        log_positions_beyond(documents, seq_len, long_docs, trained_context)
     return stream
+
+
+def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
+    """The file and 1-based record of the dataset's record `index` (0-based)."""
+    if source.builder is None:
+        return f"data.path={source.path!r} record {index + 1}"
+    return record_place(source.files, source.builder, cfg.text_unit, index)

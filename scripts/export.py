@@ -1,13 +1,16 @@
 """Export a training checkpoint as a merged Hugging Face model directory.
 
-    python scripts/export.py <run dir>/checkpoints/step-<N> <out dir> [--dtype auto|float32|bfloat16]
+    .venv/bin/python scripts/export.py <run dir>/checkpoints/step-<N> <out dir> [--dtype auto|float32|bfloat16]
+        [--tokenizer <dir>]
 
 LoRA checkpoints are merged into their base: model.path from the checkpoint's config, or for a random-init
 base the <run dir>/base_model/ the trainer kept. Full fine-tuning checkpoints are written as they are. The
 tokenizer files, generation_config.json and bos/eos/pad token ids of the model it came from (model.path)
 are carried over, so the output loads with transformers.AutoModelForCausalLM.from_pretrained(<out dir>),
-AutoTokenizer and pipeline("text-generation", model=<out dir>). --dtype auto keeps the dtype the weights
-are stored in (the base's, for LoRA).
+AutoTokenizer and pipeline("text-generation", model=<out dir>). A run without model.path (random init) has
+no tokenizer: --tokenizer <dir> copies one from a directory holding a saved tokenizer, and without it the
+export says that none was written. --dtype auto keeps the dtype the weights are stored in (the base's, for
+LoRA).
 """
 from __future__ import annotations
 
@@ -22,13 +25,13 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from data.tokenize import tokenizer_files  # noqa: E402
-from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, read_config, token_ids,  # noqa: E402
-                                 weight_files)
-from trainer.build import architecture  # noqa: E402
-from trainer.checkpoint.format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
-                                       content_problem, load_adapter)
+from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
+from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
+from conf.errors import ConfigError  # noqa: E402
+from trainer.build import BASE_MODEL_DIR, model_architecture  # noqa: E402
 from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
+from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
+                                       load_adapter)
 from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,9 +56,10 @@ def companion_files(model_dir: Path) -> list[Path]:
 
 
 def lora_base_dir(checkpoint: Path, cfg) -> Path:
-    if cfg.model.path:
-        return Path(cfg.model.path).expanduser()
+    """The run's base_model/ (a random init, or model.path under a changed rope), else model.path."""
     base = checkpoint.parent.parent / BASE_MODEL_DIR
+    if cfg.model.path and not base.is_dir():
+        return Path(cfg.model.path).expanduser()
     if not base.is_dir():
         raise ExportError(f"{checkpoint} is a LoRA adapter on a random-init base, and the run kept no copy of "
                           f"that base ({base} is missing; checkpoint.save_random_base was false), so there is "
@@ -71,9 +75,9 @@ def merged_lora(checkpoint: Path, base_dir: Path) -> tuple[dict[str, torch.Tenso
     return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])
 
 
-def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+def full_model(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     from safetensors.torch import load_file
-    config = read_config(source) if source else architecture(cfg.model)
+    config = model_architecture(cfg)     # the run's recorded architecture, as training resolved it
     if (checkpoint / STATE_DIR).is_dir():     # saved by a run over several processes
         weights = sharded_weights(checkpoint / STATE_DIR)
         if config.tie_word_embeddings:
@@ -83,7 +87,20 @@ def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, to
     return weights, config.to_hf_dict(), stored_dtype(checkpoint / WEIGHTS_FILE)
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
+def tokenizer_source(tokenizer: Path | None) -> list[Path]:
+    """The tokenizer files of --tokenizer <dir> (none without it); ExportError when it holds no tokenizer."""
+    if tokenizer is None:
+        return []
+    files = tokenizer_files(tokenizer) if tokenizer.is_dir() else []
+    if not any(file.name in TOKENIZER_FILES for file in files):
+        raise ExportError(f"--tokenizer {tokenizer} holds no saved tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                          f"give a directory written by AutoTokenizer.save_pretrained")
+    return files
+
+
+def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path | None = None) -> Path:
+    """Write `checkpoint` as a Hugging Face model into the new directory `out_dir`; `tokenizer`: a directory
+    whose saved tokenizer replaces model.path's (the only one a random-init run can have)."""
     checkpoint = Path(checkpoint).expanduser()
     problem = content_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
     if problem:
@@ -94,16 +111,20 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
                           f"changed)")
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    tokenizer_copy = tokenizer_source(tokenizer)
     cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
     lora = (checkpoint / ADAPTER_DIR).is_dir()
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
     source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()
-    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg, source)
+    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg)
     target = stored if dtype == "auto" else DTYPES[dtype]
     config |= token_ids(source) if source else {}
     config["torch_dtype"] = str(target).removeprefix("torch.")
+    companions = companion_files(source) if source else []
+    if tokenizer_copy:
+        companions = [file for file in companions if file not in tokenizer_files(source)] + tokenizer_copy
     return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir,
-                                 companion_files(source) if source else [])
+                                 companions)
 
 
 def main() -> None:
@@ -111,12 +132,17 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path, help="<run dir>/checkpoints/step-<N>")
     parser.add_argument("out_dir", type=Path, help="new directory for the Hugging Face model")
     parser.add_argument("--dtype", default="auto", help="auto (as stored), float32, bfloat16 or float16")
+    parser.add_argument("--tokenizer", type=Path, help="directory of a saved tokenizer to write with the model "
+                                                       "(default: model.path's)")
     args = parser.parse_args()
     try:
-        out = export(args.checkpoint, args.out_dir, args.dtype)
-    except (ExportError, CheckpointError, HFCheckpointError, OSError) as error:
+        out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
+    except (ExportError, CheckpointError, ConfigError, HFCheckpointError, OSError) as error:
         sys.exit(f"export failed: {error}")
     print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    if not tokenizer_files(out):
+        print(f"no tokenizer written: the run had no model.path (random init), so pipeline() and AutoTokenizer "
+              f"cannot load {out}; add one with --tokenizer <dir of a saved tokenizer> (into a new out dir)")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,14 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from storage.lock import DirectoryLock, LockHeld
-from trainer.build import Built, build_model, checked_plan, count_parameters
+from trainer.allocator import cap_gpu_memory, gpu_cap_note
+from trainer.build import (BASE_MODEL_DIR, Built, build_model, checked_plan, context_summary, count_parameters,
+                           keep_extended_base, record_architecture, trained_context)
 from trainer.checkpoint.disk_space import save_hf_model_if_room
-from trainer.checkpoint.format import BASE_MODEL_DIR, Progress
+from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
-from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
-                             step_line)
+from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
@@ -100,9 +101,10 @@ def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
         save_hf_model_if_room(full_weights(model), model.config.to_hf_dict(), base_dir)
 
 
-def planned_memory(plan: MemoryPlan) -> str:
+def planned_memory(plan: MemoryPlan, device: torch.device) -> str:
     return (f"{plan.device_label} peak {plan.gpu_peak / GIB:.2f} of {plan.capacity.gpu_limit / GIB:.2f} GiB usable, "
-            f"host peak {plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
+            f"host peak {plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)"
+            + gpu_cap_note(plan.capacity.gpu, device))
 
 
 def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: torch.device) -> None:
@@ -123,6 +125,7 @@ def train(cfg) -> dict:
     step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
+    record_architecture(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
@@ -132,6 +135,7 @@ def train(cfg) -> dict:
         seed_everything(cfg.seed)
         # A job that cannot fit stops before writing anything.
         plan = checked_plan(cfg, device, capacity=agreed_capacity(cfg, device, world))
+        cap_gpu_memory(plan.capacity.gpu, device)      # a plan for a smaller GPU than this one: hold it to that
         # One run directory for all ranks: the default output_dir is resolved from each process's clock.
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
@@ -197,9 +201,10 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
 
-    built = build_model(cfg, device, plan)
+    built = build_model(cfg, device, plan, resumed=loaded is not None)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
+    world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
@@ -254,10 +259,11 @@ def summarize_start(cfg, training: str, device: torch.device, built: Built, run_
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
+        "rope": context_summary(cfg),
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
-        "memory plan": planned_memory(built.plan),
+        "memory plan": planned_memory(built.plan, device),
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
     return flops
@@ -317,7 +323,7 @@ def record_step(job: Job, step: int, applied: bool, metrics: dict) -> dict:
     record = job.metrics_log.write(step, metrics)
     job.bar.update(record)
     if step % job.cfg.log_every == 0 or step == job.cfg.max_steps or not applied:
-        job.bar.write(step_line(record, job.cfg.max_steps))
+        job.bar.write(job.bar.step_line(record))
     return record
 
 
@@ -362,7 +368,8 @@ def data_stream(cfg, vocab_size: int, world: World):
     """The batch stream; over several processes the first rank of each machine builds it first (tokenizing
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
-        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path)
+        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
+                          trained_context=trained_context(cfg))
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()

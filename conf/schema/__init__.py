@@ -23,6 +23,7 @@ class JobConfig:
     train: TrainConfig = MISSING
     seq_len: int = 8192
     batch_size: int = 1
+    # Seeds python, numpy, torch and the data order: an integer in [0, 2**32 - 1] (numpy's range).
     seed: int = 0
     max_steps: int = 1000
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"

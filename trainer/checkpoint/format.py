@@ -34,8 +34,6 @@ from trainer.sharding import is_sharded
 log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
-# In the run directory, not per checkpoint: the random-init base of a LoRA run, kept once for export.
-BASE_MODEL_DIR = "base_model"
 STEP_PREFIX = "step-"
 COMPLETE_MARKER = "COMPLETE"
 ADAPTER_DIR = "adapter"
