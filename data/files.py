@@ -289,16 +289,34 @@ class PackedDocuments:
                          if saved.get(key) != value)
 
 
-def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      tokenizer_path: str) -> PackedDocuments:
+def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_path: str):
+    """(documents, format, tokenizer) of the files at `path`, read and tokenized with the data.* options (the
+    tokenization cached)."""
     tokenizer = load_tokenizer(tokenizer_path)
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
-    source = resolve_source(cfg.path)
+    source = resolve_source(path)
     records = load_records(source, cfg)
-    fmt, field = record_format(cfg, records.column_names, cfg.path)
-    documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
+    fmt, field = record_format(cfg, records.column_names, path)
+    return tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field), fmt, tokenizer
+
+
+def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: int, batch_size: int,
+                     seed: int) -> PackedDocuments:
+    """The packed stream over tokenized `documents`, as data.* says (long_docs=auto by format)."""
     long_docs = cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    stream = PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
+    return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
+
+
+def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
+                      tokenizer_path: str, held_out: float = 0.0) -> PackedDocuments:
+    """The training stream; `held_out` (eval.fraction) leaves that fraction of the documents out
+    (data.held_out.split_documents), which changes the documents' content hash, so a resume with another
+    fraction is refused as other data."""
+    documents, fmt, tokenizer = tokenized_documents(cfg, cfg.path, vocab_size, tokenizer_path)
+    if held_out:
+        from data.held_out import split_documents
+        documents = documents.select(split_documents(len(documents), held_out)[0])
+    stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
     return stream

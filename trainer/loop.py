@@ -33,6 +33,7 @@ from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet
                              step_line)
 from trainer.disk_space import save_hf_model_if_room
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
+from trainer.evaluate import build_evaluator, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -131,6 +132,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
     stream = data_stream(cfg, model.config.vocab_size, world)
+    evaluator = build_evaluator(cfg, model, device, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
@@ -166,6 +168,10 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         # Last, so the RNG streams continue exactly where the checkpoint left them.
         checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
 
+    if evaluation := evaluate_at_start(cfg, evaluator, resumed=loaded is not None):
+        if metrics_log:
+            metrics_log.write(0, evaluation)
+            log.info("%s", eval_line(0, evaluation))
     guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
     checkpoints.restart_interval(progress.step)
     last_checkpoint = loaded.path if loaded else None
@@ -194,8 +200,11 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
                     "skipped_steps": guard.skipped, "tokens_per_s": result.tokens / step_time,
                     "mfu": model_flops_utilization(flops / world.size, step_time, device, cfg.logger.peak_tflops),
                     "step_time_s": step_time, "data_wait_s": data_wait, **world.max(memory_metrics(device))}
+                evaluation = evaluator.after_step(step) if evaluator else {}
                 if metrics_log:
-                    record = metrics_log.write(step, metrics)
+                    record = metrics_log.write(step, metrics | evaluation)
+                    if evaluation:
+                        bar.write(eval_line(step, evaluation))
                     bar.update(record)
                     if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
                         bar.write(step_line(record, cfg.max_steps))
@@ -236,7 +245,8 @@ def data_stream(cfg, vocab_size: int, world: World):
     """The batch stream; over several processes the first rank of each machine builds it first (tokenizing
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
-        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path)
+        return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
+                          held_out=cfg.eval.fraction)
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()
