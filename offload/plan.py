@@ -17,7 +17,7 @@ import torch
 
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
+                                eval_forward_bytes, full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
                                 sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
@@ -50,6 +50,9 @@ class MemoryPlan:
     attention_kernel: str = "flash"
     # The top layer is full at no cost: its bytes are not among the full layers' (offload.placement).
     top_layer_free: bool = False
+    # Predicted GPU peak of an evaluation (trainer.evaluate): what stays between steps (weights, trainable
+    # state, RoPE tables) and a forward without grad, with the same parallelism's buffers; below gpu_peak.
+    eval_peak: int = 0
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -198,8 +201,10 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         gpu.update(kept.gpu)
         host.update(kept.host)
     gpu.update(transient)
+    buffers = sum(size for name, size in transient.items() if name.startswith(("sequence-parallel", "FSDP")))
+    eval_peak = sum(static.values()) + eval_forward_bytes(shape, -(-shape.tokens // tiles)) + buffers
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
-                      attention_kernel=attention_kernel, top_layer_free=top_full)
+                      attention_kernel=attention_kernel, top_layer_free=top_full, eval_peak=eval_peak)
 
 
 def _embedding_looked_up_again(train_cfg, sharded: bool) -> bool:
