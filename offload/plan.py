@@ -119,7 +119,8 @@ class MemoryPlan:
                 + "\nsettings that would help:\n" + "\n".join(f"  - {a}" for a in self.advice))
 
 
-def _mlp_tiles(tokens: int, memory_cfg) -> int:
+def mlp_tiles(tokens: int, memory_cfg) -> int:
+    """MLP row tiles for `tokens` tokens: memory.mlp_tiles, else one per memory.mlp_tile_tokens."""
     if memory_cfg.mlp_tiles is not None:
         return max(1, memory_cfg.mlp_tiles)
     return max(1, math.ceil(tokens / memory_cfg.mlp_tile_tokens))
@@ -173,7 +174,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         trainable_gpu["bf16 non-layer gradients"] = trainable_gpu.pop("bf16 gradients")
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
-    tiles = _mlp_tiles(shape.tokens, memory_cfg)
+    tiles = mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
                                 attention_kernel, sequence_parallel, one_process=ranks.world == 1)
     if sequence_parallel > 1:

@@ -96,7 +96,7 @@ def loss_by_position_figure(title: str, curves: dict[str, tuple[list[int], list[
     return drawing
 
 
-def passkey_grid(record: dict) -> tuple[list[int], list[int], list[list[float]]]:
+def passkey_cells(record: dict) -> tuple[list[int], list[int], list[list[float]]]:
     """(lengths, depths in %, accuracy[length][depth]) of an evaluation's passkey probe."""
     cells = {(int(match[1]), int(match[2])): value for name, value in record.items()
              if (match := PASSKEY_KEY.match(name))}
@@ -124,9 +124,9 @@ def evaluation_figures(records: list[dict], run_dir: Path) -> dict[str, plt.Figu
     if curves:
         title = f"Held-out loss by position: {run_dir.resolve()}"
         drawn["report_loss_by_position.png"] = loss_by_position_figure(title, curves)
-    probed = [r for r in records if passkey_grid(r)[0]]
+    probed = [r for r in records if passkey_cells(r)[0]]
     if probed:
-        chosen = {f"step {r['step']}": passkey_grid(r) for r in (probed[0], probed[-1])}
+        chosen = {f"step {r['step']}": passkey_cells(r) for r in (probed[0], probed[-1])}
         drawn["report_passkey.png"] = passkey_figure(f"Passkey retrieval: {run_dir.resolve()}", chosen)
     return drawn
 
