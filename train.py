@@ -1,12 +1,16 @@
-"""Entry point: `python train.py [group=option ...] [key=value ...]` (Hydra overrides)."""
+"""Entry point: `python train.py [group=option ...] [key=value ...]` (Hydra overrides); `-m` sweeps, each job
+in its own run directory <output_dir>/<job number>."""
 import logging
+import os
 import sys
+from pathlib import Path
 
 from trainer.allocator import prefer_expandable_segments
 
 prefer_expandable_segments()       # before torch (imported below) initializes CUDA
 
 import hydra  # noqa: E402
+import yaml  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
@@ -17,18 +21,68 @@ from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
 
 register_configs()
+log = logging.getLogger("train")
 # Errors whose message already says what is wrong and what to change: shown without a traceback.
 USER_ERRORS = (ConfigError, DataError, HFCheckpointError, CheckpointError, BadStepsError)
+# A sweep job's command-line overrides, kept in its run directory.
+OVERRIDES_FILE = "overrides.yaml"
+# The jobs of this process's sweep that failed: "#<number> (<overrides>)".
+FAILED_JOBS: list[str] = []
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
+    job = sweep_job()
+    if job is not None:
+        run_sweep_job(cfg, *job)
+        return
     try:
         train(cfg)
     except USER_ERRORS as error:
-        logging.getLogger("train").error("%s", error)
+        log.error("%s", error)
         sys.exit(2)
+
+
+def sweep_job() -> tuple[int, list[str]] | None:
+    """(job number, overrides) of a job of a sweep (`-m`); None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return hydra_cfg.job.num, list(hydra_cfg.overrides.task)
+
+
+def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
+    """One job of a sweep in its own run directory, <output_dir>/<number> (a shared one would make each job
+    resume the previous), holding its overrides. A failed job is logged and counted, and the sweep goes on
+    to the next (the process's exit status says); a job stopped by a signal stops the sweep."""
+    cfg.output_dir = os.path.join(cfg.output_dir, str(number))
+    name = f"#{number} ({' '.join(overrides)})"
+    try:
+        keep_overrides(Path(cfg.output_dir), overrides)
+        last = train(cfg)
+    except (*USER_ERRORS, OSError) as error:
+        log.error("sweep job %s failed: %s", name, error)
+        FAILED_JOBS.append(name)
+        return
+    except Exception:       # a bug or a crash of one job: its traceback, and the other jobs still run
+        log.exception("sweep job %s failed", name)
+        FAILED_JOBS.append(name)
+        return
+    if last["step"] < cfg.max_steps:
+        log.error("sweep job %s stopped by a signal: the sweep stops (run it again to continue each job)", name)
+        sys.exit(130)
+
+
+def keep_overrides(run_dir: Path, overrides: list[str]) -> None:
+    """Write the job's overrides into its run directory, before it runs, so a failed job's are kept too."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / OVERRIDES_FILE).write_text(yaml.safe_dump(overrides))
 
 
 if __name__ == "__main__":
     main()
+    if FAILED_JOBS:
+        log.error("sweep: %d job(s) failed: %s", len(FAILED_JOBS), "; ".join(FAILED_JOBS))
+        sys.exit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 
 from conf.errors import ConfigError
@@ -18,7 +19,7 @@ from conf.schema.optim import check_optim, resolve_optim
 from conf.schema.parallel import check_parallel
 from conf.schema.train import check_train
 
-__all__ = ["ConfigError", "check_known_keys", "validate"]
+__all__ = ["ConfigError", "check_finite_numbers", "check_known_keys", "validate"]
 
 
 def validate(cfg) -> str:
@@ -26,6 +27,7 @@ def validate(cfg) -> str:
     (optim.lr, optim.warmup_steps, memory.gpu's size). Returns the line saying which train mode, learning
     rate and warmup were taken and why."""
     check_known_keys(cfg)
+    check_finite_numbers(cfg, JobConfig)
     check_job(cfg)
     check_train(cfg.train)
     check_parallel(cfg)
@@ -41,13 +43,35 @@ def validate(cfg) -> str:
 
 def check_known_keys(cfg) -> None:
     """ConfigError for the first key that is no field of the schema (a misspelling Hydra let through as
-    `+key=value`), naming the nearest valid key. Dict-typed fields (model.rope_scaling) take any key."""
+    `+key=value`), naming the nearest valid key where one is near. Dict-typed fields (model.rope_scaling)
+    take any key."""
     fields = schema_paths(JobConfig)
     for path in unknown_paths(cfg, JobConfig):
         parent, _, _ = path.rpartition(".")
         siblings = [name.rpartition(".")[2] for name in fields if name.rpartition(".")[0] == parent]
-        raise ConfigError(f"unknown setting {path}: the nearest is {nearest(path, fields)} "
-                          f"({parent or 'the top level'} has: {', '.join(siblings)})")
+        near = nearest(path, fields)
+        raise ConfigError(f"unknown setting {path}" + (f": the nearest is {near}" if near else "")
+                          + f" ({parent or 'the top level'} has: {', '.join(siblings)})")
+
+
+def check_finite_numbers(values, schema: type, prefix: str = "") -> None:
+    """ConfigError for the first float setting (float, Optional[float] or List[float] in the schema) that is
+    NaN or infinite: NaN passes every comparison a group's check makes, and either ends a run steps later."""
+    for name, hint in typing.get_type_hints(schema).items():
+        value = values[name]
+        if (nested := nested_schema(hint)) and value is not None:
+            check_finite_numbers(value, nested, f"{prefix}{name}.")
+        elif any(isinstance(number, float) and not math.isfinite(number) for number in float_values(hint, value)):
+            raise ConfigError(f"{prefix}{name}={value} must be a finite number (not nan or inf)")
+
+
+def float_values(hint, value) -> list:
+    """The floats a setting of type `hint` holds: its value, or a List[float]'s items."""
+    if value is None:
+        return []
+    if typing.get_origin(hint) is list:
+        return list(value) if float in typing.get_args(hint) else []
+    return [value] if float in (hint, *typing.get_args(hint)) else []
 
 
 def nested_schema(hint) -> type | None:
@@ -79,10 +103,15 @@ def unknown_paths(values, schema: type, prefix: str = "") -> list[str]:
     return unknown
 
 
-def nearest(path: str, candidates: list[str]) -> str:
+# A path this similar to a valid one (difflib's ratio; get_close_matches' default cutoff) is taken as its
+# misspelling.
+NEAR_RATIO = 0.6
+
+
+def nearest(path: str, candidates: list[str]) -> str | None:
     """The valid path closest to `path`: the same name in another group first (`warmup_steps` ->
     `optim.warmup_steps`), then a name that abbreviates it by its words' initials (`learning_rate` -> `lr`),
-    else by difflib's similarity."""
+    else the most similar by difflib, if at least NEAR_RATIO similar; None when none is near."""
     name = path.rpartition(".")[2]
     initials = "".join(word[0] for word in name.split("_") if word)
 
@@ -90,4 +119,6 @@ def nearest(path: str, candidates: list[str]) -> str:
         candidate_name = candidate.rpartition(".")[2]
         return (candidate_name == name, len(initials) > 1 and candidate_name == initials,
                 difflib.SequenceMatcher(None, path, candidate).ratio())
-    return max(candidates, key=closeness)
+    best = max(candidates, key=closeness)
+    same_name, abbreviated, ratio = closeness(best)
+    return best if same_name or abbreviated or ratio >= NEAR_RATIO else None

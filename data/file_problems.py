@@ -1,17 +1,20 @@
 """Why `datasets` could not read a set of json or parquet files, in words that name the file: the first
-malformed JSON line (1-based), or the files whose records have different fields.
+malformed JSON line (1-based), or the files whose records have different fields; and which file and record
+(1-based) a record index of the loaded dataset is.
 
-Only called after datasets' reader has failed (its errors name neither the file nor the line), so reading
-the files again here costs nothing on the normal path.
+Only called after something has failed (datasets' errors name neither the file nor the line; a record's
+index names no file), so reading the files again here costs nothing on the normal path.
 """
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 from typing import Iterator
 
 # Files named per group of fields in a message, before "and N more".
 SHOWN_FILES = 3
+WHITESPACE = string.whitespace.encode()
 
 
 class MalformedJson(ValueError):
@@ -72,3 +75,41 @@ def files_problem(files: list[Path], builder: str) -> str | None:
 def shown(files: list[Path]) -> str:
     more = f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
     return ", ".join(map(str, files[:SHOWN_FILES])) + more
+
+
+def has_text(file: Path, chunk: int = 1 << 20) -> bool:
+    """Whether `file` holds anything but whitespace (datasets' json reader fails on a file of blank lines:
+    'corresponds to no data'). Reads only up to the first other byte: at once for a data file."""
+    with file.open("rb") as data:
+        while block := data.read(chunk):
+            if block.strip(WHITESPACE):
+                return True
+    return False
+
+
+def records_in(file: Path, builder: str, text_unit: str) -> int:
+    """How many records datasets' `builder` reads from `file` (text: one per document, line or non-empty
+    paragraph, as its text builder splits them)."""
+    if builder == "parquet":
+        import pyarrow.parquet
+        return pyarrow.parquet.read_metadata(file).num_rows
+    if builder == "json":
+        return sum(1 for _ in json_records(file))
+    if text_unit == "document":
+        return 1
+    with file.open(encoding="utf-8") as text:
+        if text_unit == "line":
+            return sum(1 for _ in text)
+        return sum(1 for paragraph in text.read().split("\n\n") if paragraph)
+
+
+def record_place(files: list[Path], builder: str, text_unit: str, index: int) -> str:
+    """'<file> record <n>' (1-based within its file) of the record at `index` of the dataset datasets read
+    from `files` in order; the files are counted up to the one holding it."""
+    first = 0
+    for file in files:
+        count = records_in(file, builder, text_unit)
+        if index < first + count:
+            return f"{file} record {index - first + 1}"
+        first += count
+    return f"record {index + 1} of {shown(files)}"

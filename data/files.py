@@ -18,10 +18,10 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.file_problems import files_problem
+from data.file_problems import files_problem, has_text, record_place
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
-from data.tokenize import (DataError, check_tokenizer_files, check_vocabulary, load_tokenizer, tokenize_chat,
-                           tokenize_texts, tokenizer_files)
+from data.tokenize import (DataError, RecordError, check_tokenizer_files, check_vocabulary, load_tokenizer,
+                           tokenize_chat, tokenize_texts, tokenizer_files)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 TOKENIZATION_VERSION = 1
 # Below this many records one process tokenizes faster than starting several.
 RECORDS_PER_EXTRA_PROCESS = 20_000
+# Packed rows more padding than this are warned about: the data are short for seq_len.
+PADDING_WARNING = 0.5
 
 
 @dataclass
@@ -70,10 +72,10 @@ def resolve_source(path: str) -> LocalSource:
     unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
     if unreadable:
         raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
-    # datasets' readers fail obscurely on empty files; they hold no records anyway.
-    non_empty = [file for file in supported if file.stat().st_size > 0]
+    # datasets' readers fail obscurely on empty files and files of blank lines; they hold no records anyway.
+    non_empty = [file for file in supported if file.stat().st_size > 0 and has_text(file)]
     if not non_empty:
-        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty")
+        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only")
     return LocalSource(path, non_empty, builders.pop())
 
 
@@ -170,6 +172,14 @@ class DataStats:
     long_docs: LongDocCounts
     seq_len: int
 
+    def padding_warning(self) -> str | None:
+        """A line when rows are mostly padding (PADDING_WARNING), else None."""
+        if self.padding_fraction <= PADDING_WARNING:
+            return None
+        return (f"data: {self.padding_fraction:.1%} of the packed rows is padding ({self.tokens:,} tokens fill "
+                f"{self.sequences:,} rows of seq_len={self.seq_len}), so most of each step computes nothing: lower "
+                f"seq_len or add data")
+
     def line(self) -> str:
         mean = self.tokens / max(self.documents, 1)
         long = self.long_docs
@@ -212,6 +222,9 @@ class PackedDocuments:
         self.pad_id = pad_id
         lengths = int_column(documents, "length")
         self.pieces, long_counts = plan_pieces(lengths, seq_len, long_docs)
+        if not len(self.pieces) and not long_counts.dropped:
+            raise DataError(f"no document is left to train on: all {len(lengths)} records tokenize to nothing (empty "
+                            f"or whitespace only): check data.text_field / data.messages_field")
         if not len(self.pieces):
             raise DataError(f"no document is left to train on: {long_counts.dropped} of {len(lengths)} documents are "
                             f"longer than seq_len={seq_len} and were dropped; set data.long_docs=split or "
@@ -297,7 +310,11 @@ def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_p
     source = resolve_source(path)
     records = load_records(source, cfg)
     fmt, field = record_format(cfg, records.column_names, path)
-    return tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field), fmt, tokenizer
+    try:
+        documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
+    except RecordError as error:
+        raise DataError(f"{record_name(source, cfg, error.record)}, {error.problem}") from None
+    return documents, fmt, tokenizer
 
 
 def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: int, batch_size: int,
@@ -319,4 +336,13 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
         documents = documents.select(split_documents(len(documents), held_out)[0])
     stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
+    if warning := stream.stats.padding_warning():
+        log.warning(warning)
     return stream
+
+
+def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
+    """The file and 1-based record of the dataset's record `index` (0-based)."""
+    if source.builder is None:
+        return f"data.path={source.path!r} record {index + 1}"
+    return record_place(source.files, source.builder, cfg.text_unit, index)

@@ -27,6 +27,18 @@ class DataError(ValueError):
     """Data that cannot be trained on; the message names the file or setting and the fix."""
 
 
+class RecordError(DataError):
+    """A record that cannot be tokenized, by its 0-based index in the dataset; the files source names its file
+    and 1-based record in that file (data.files). Its args are its fields, so it pickles from a worker."""
+
+    def __init__(self, record: int, problem: str):
+        super().__init__(record, problem)
+        self.record, self.problem = record, problem
+
+    def __str__(self) -> str:
+        return f"record {self.record + 1}, {self.problem}"
+
+
 def check_tokenizer_files(path: str) -> None:
     directory = Path(path).expanduser()
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -72,14 +84,15 @@ def tokenize_texts(texts: list[str], tokenizer, bos_id: int | None, eos_id: int 
 
 
 def check_messages(messages, record: int) -> None:
+    """RecordError for the `record`-th (0-based) record's messages, naming the message 1-based."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"record {record}: messages must be a non-empty list of {{role, content}}, got {messages!r}")
-    for turn, message in enumerate(messages):
+        raise RecordError(record, f"messages must be a non-empty list of {{role, content}}, got {messages!r}")
+    for turn, message in enumerate(messages, start=1):
         if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
-            raise DataError(f"record {record}, message {turn}: expected {{'role', 'content'}}, got {message!r}")
+            raise RecordError(record, f"message {turn}: expected {{'role', 'content'}}, got {message!r}")
         if message["role"] not in CHAT_ROLES:
-            raise DataError(f"record {record}, message {turn}: unknown role {message['role']!r}; known roles: "
-                            f"{', '.join(CHAT_ROLES)} (rename it in the data)")
+            raise RecordError(record, f"message {turn}: unknown role {message['role']!r}; known roles: "
+                                      f"{', '.join(CHAT_ROLES)} (rename it in the data)")
 
 
 def suffix_after(prefix: str, text: str) -> str:

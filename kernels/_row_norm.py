@@ -19,8 +19,8 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A row lives in registers: past this the backward's four row-sized fp32 values per thread would spill.
 MAX_HIDDEN = 32768
-# Backward programs per SM. On an H100 at [65536, 4096] bf16, 2 to 16 and 4 to 16 warps all ran
-# fwd+bwd within 3% (scripts/bench_kernels.py --sweep); 2 keeps the fp32 partials smallest (4 MiB).
+# Backward programs per SM: every count swept ran within the spread (docs/PERFORMANCE.md, "Kernels"); 2 keeps
+# the fp32 partials smallest (4 MiB at [65536, 4096]).
 BACKWARD_PROGRAMS_PER_SM = 2
 
 

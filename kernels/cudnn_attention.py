@@ -1,6 +1,6 @@
 """Attention with cuDNN's fused backward (PyTorch's aten ops), on Hopper GPUs.
 
-Measured on the H100 (docs/BENCHMARKS.md), cuDNN's backward is faster than kernels.flash_attention's
+Measured on the H100 (docs/PERFORMANCE.md), cuDNN's backward is faster than kernels.flash_attention's
 two-kernel one (after the same Gluon forward, forward+backward 551-564 TFLOP/s against 439-455 from 32k to
 131k tokens), so `kernels=auto` uses it there
 for rows without packed documents (kernels.dispatch). The forward is our warp-specialized Gluon kernel
@@ -21,7 +21,7 @@ final, and at 524k tokens the 16 GiB workspace of one call becomes 4 GiB per gro
 
 Rows of packed documents stay on kernels.flash_attention: torch 2.11's cuDNN ops for them
 (`_cudnn_attention_forward/backward` with cum_seq_q), tried with Llama-3's 32 query / 8 KV heads, ran the
-forward 11x slower than ours on 16 x 4k documents and returned wrong gradients (docs/BENCHMARKS.md).
+forward 11x slower than ours on 16 x 4k documents and returned wrong gradients (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ on Hopper), which also zero-fill the rows past the end of the sequence.
 
 On Hopper the forward of 16-bit inputs runs kernels/flash_attention_hopper.py instead (Gluon,
 warp-specialized: faster than this Triton forward, and than cuDNN's from 8k to 131k tokens,
-docs/BENCHMARKS.md); fp32 inputs, other
+docs/PERFORMANCE.md); fp32 inputs, other
 GPUs, Triton's interpreter and layouts whose heads do not lie within a token's row
 (flash_attention_hopper.reads_as_rows) run the one here, which that kernel's tests hold it to.
 
@@ -237,8 +237,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DOC_START, DOC_END,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                           seqlen, sm_scale, qk_scale_log2, seq_bucket, stride_dkb, stride_dks, stride_dkh,
-                          stride_dvb, stride_dvs, stride_dvh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+                          stride_dvb, stride_dvs, stride_dvh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N  # causal: early key blocks do the most work and go first
     kv_head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -371,21 +371,22 @@ _checked_bounds = WeakIdKeyDictionary()
 
 def _checked_document_bounds(cu_seqlens: torch.Tensor, batch: int, seqlen: int,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_document_bounds of a checked cu_seqlens, computed once per tensor and layout (every call for an
+    """document_bounds of a checked cu_seqlens, computed once per tensor and layout (every call for an
     inference-mode tensor, which has no version to tell a change by)."""
     stamp = None if cu_seqlens.is_inference() else (cu_seqlens._version, batch, seqlen, device)
     known = _checked_bounds.get(cu_seqlens)
     if stamp is not None and known is not None and known[0] == stamp:
         return known[1]
     check_cu_seqlens(cu_seqlens, batch, seqlen)
-    bounds = _document_bounds(cu_seqlens.to(device), batch * seqlen)
+    bounds = document_bounds(cu_seqlens.to(device), batch * seqlen)
     if stamp is not None:
         _checked_bounds[cu_seqlens] = (stamp, bounds)
     return bounds
 
 
-def _document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, the start and end offsets of its document (int32, O(total) memory)."""
+def document_bounds(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the start and end offsets of its document (int32, O(total) memory): the doc_start and
+    doc_end that the attention kernels take."""
     positions = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
     doc = torch.searchsorted(cu_seqlens[1:], positions, right=True)
     return cu_seqlens[doc].contiguous(), cu_seqlens[doc + 1].contiguous()

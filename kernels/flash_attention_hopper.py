@@ -9,7 +9,7 @@ Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of docs/BENCHMARKS.md).
+(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of c729dfe:docs/BENCHMARKS.md).
 Here a work item is 128 query rows of one head; a persistent CTA per SM takes items in turn, with three
 partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves an item's Q and then each key tile's K and V by TMA into a two-stage
@@ -20,7 +20,7 @@ partitions (`gl.warp_specialize`):
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
   softmax runs while the tensor cores do the other's products (without turns, 1.6% slower at 131k; at 8k,
-  32k and 16 x 4k within the spreads: docs/BENCHMARKS.md).
+  32k and 16 x 4k within the spreads: c729dfe:docs/BENCHMARKS.md).
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
@@ -137,10 +137,10 @@ def _work_item(item, schedule, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK
       a round reads the keys and values of one or two KV heads instead of all 8 (Llama-3 8B), which all its
       CTAs then share through L2. At the power limit the HBM traffic that this saves is speed: at 131k the
       forward ran 6% faster with one KV head than with 8, and this order with mirrored rounds ran 4-5%
-      faster at 32k and 131k than heads fastest (docs/BENCHMARKS.md). The runs of blocks alternate their
+      faster at 32k and 131k than heads fastest (docs/PERFORMANCE.md). The runs of blocks alternate their
       direction, the last run heaviest first, so that no CTA's items are all the heavy ends of runs: with
       the mirrored rounds, the most loaded of 132 CTAs is within 0.1% of their mean from 32k tokens, batch 1
-      or 2 (114 CTAs: 1.1%; docs/experiments/work_item_order.py)."""
+      or 2 (114 CTAs: 1.1%; scripts/experiments/work_item_order.py)."""
     n_items, n_blocks, q_heads, seqlen, DOC_START, DOC_END, kv_major_blocks = schedule
     if not HAS_DOCS and n_blocks >= kv_major_blocks:
         kv_heads = q_heads // GROUP
@@ -171,7 +171,7 @@ def _round_item(index):
     the next, so the CTAs end each pair of rounds together instead of drifting apart round after round; in
     step, the CTAs of one KV head read each key tile at about the same time, once from HBM and then from L2
     (with work items KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c,
-    c + num_programs, ...; docs/BENCHMARKS.md)."""
+    c + num_programs, ...; c729dfe:docs/BENCHMARKS.md)."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 

@@ -24,8 +24,8 @@ import triton.language as tl
 DEFAULT_MEMORY_BUDGET = 7 * 2**28
 # Chunks are a multiple of this many tokens when they can be, so the matmuls get whole tiles.
 _CHUNK_TOKENS_MULTIPLE = 256
-# Vocabulary columns a program handles per step of its row loop, and its warps: on an H100 every tried
-# pair from (2048, 4) to (16384, 16) ran at 2.86-2.97 TB/s (scripts/bench_kernels.py --sweep).
+# Vocabulary columns a program handles per step of its row loop, and its warps: every pair swept from (2048, 4)
+# to (16384, 16) ran near the copy rate (docs/PERFORMANCE.md, "Kernels").
 BLOCK_V = 8192
 NUM_WARPS = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

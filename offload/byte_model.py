@@ -9,9 +9,10 @@ A "full" layer (not checkpointed: autograd keeps its activations, `full_layer_by
 backward reads instead of its input and attention output; without checkpointing every layer is one. The
 transient is the larger of a decoder layer's backward (recomputed activations, their gradients, the next
 input's prefetch, attention statistics, one MLP tile's intermediates) and the loss (final hidden states,
-their gradient and the linear-cross-entropy's chunk budget). Activation counts are in units of one [tokens, hidden] tensor and were calibrated against
-measured peaks on the H100 (docs/BENCHMARKS.md, "Training (issue 5)"). The memory policy pins its host
-buffers at these sizes (`Shape`), so what the plan counts is what is allocated.
+their gradient and the linear-cross-entropy's chunk budget). Activation counts are in units of one [tokens,
+hidden] tensor and were calibrated against measured peaks on the H100 (docs/PERFORMANCE.md, "Memory plans
+against measured peaks"). The memory policy pins its host buffers at these sizes (`Shape`), so what the plan
+counts is what is allocated.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ MLP_TILE_INTERMEDIATES = 6
 GPU_RESERVE = 2 * GIB
 # Fraction of the GPU the plan may fill with predicted allocations (fragmentation, prediction error).
 GPU_FILL = 0.94
-# Host memory of the training process without pinned buffers (CUDA libraries, Python, data): 1.48-1.56
-# GiB peak RSS measured by scripts/bench_train.py on the H100 (a real data pipeline adds its own).
+# Host memory of the training process without pinned buffers (CUDA libraries, Python, data): the peak RSS
+# scripts/bench_train.py measured on the H100's host (c729dfe:docs/BENCHMARKS.md, "Training (issue 5)"); a
+# real data pipeline adds its own.
 HOST_BASELINE = int(1.5 * GIB)
 # Adam: fp32 param + grad + two moments per trainable parameter.
 TRAINABLE_BYTES = 16

@@ -17,7 +17,7 @@ import torch
 
 from conf.errors import ConfigError
 from offload.byte_model import Shape, layer_parameters, pinned_size
-from offload.store import copied_back_ahead, rebuilds_attention
+from offload.store import AttentionPlacement, Placement, copied_back_ahead, rebuilds_attention
 
 
 def _recomputable(layers: int, on_gpu: int) -> range:
@@ -26,15 +26,15 @@ def _recomputable(layers: int, on_gpu: int) -> range:
     return range(layers - 1, on_gpu, -2)
 
 
-def _placements(layers: int, on_gpu: int, recomputed: int, from_embedding: bool) -> list[str]:
+def _placements(layers: int, on_gpu: int, recomputed: int, from_embedding: bool) -> list[Placement]:
     """First `on_gpu` layers on the GPU; `recomputed` layers from the top, every other one; the rest on
     the host. `from_embedding`: layer 0's input, wherever it would be kept, is looked up again from the
     token embedding instead ("embedding"), which costs a gather and no bytes."""
-    placements = ["gpu"] * on_gpu + ["host"] * (layers - on_gpu)
+    placements = [Placement.GPU] * on_gpu + [Placement.HOST] * (layers - on_gpu)
     for index in _recomputable(layers, on_gpu)[:recomputed]:
-        placements[index] = "recompute"
+        placements[index] = Placement.RECOMPUTE
     if from_embedding:
-        placements[0] = "embedding"
+        placements[0] = Placement.EMBEDDING
     return placements
 
 
@@ -42,11 +42,11 @@ def max_recomputed(layers: int, on_gpu: int) -> int:
     return len(_recomputable(layers, on_gpu))
 
 
-def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[str]:
+def _attention_placements(layers: int, on_gpu: int, on_host: int) -> list[AttentionPlacement]:
     """Kept attention outputs from the top layer down (the backward's first): `on_gpu` on the GPU, the
     next `on_host` on the host, none below."""
-    kept = ["gpu"] * on_gpu + ["host"] * on_host
-    return ["none"] * (layers - len(kept)) + kept[::-1]
+    kept = [AttentionPlacement.GPU] * on_gpu + [AttentionPlacement.HOST] * on_host
+    return [AttentionPlacement.NONE] * (layers - len(kept)) + kept[::-1]
 
 
 # The GPU items of a plan's fullest moment in the backward (GpuRoom): the layers' gradients made so far, the
@@ -97,8 +97,8 @@ class GpuRoom:
 @dataclass
 class KeptLayers:
     """Where each layer's input and attention output are kept, and what that costs."""
-    placements: list[str]
-    attention: list[str]
+    placements: list[Placement]
+    attention: list[AttentionPlacement]
     gpu: dict[str, int]
     host: dict[str, int]
 
@@ -127,25 +127,28 @@ def _rank(shape: Shape, room: GpuRoom, host_room: int, kept: KeptLayers) -> tupl
     recomputation, fewest recomputed inputs, most kept attention outputs; min() keeps the first on ties."""
     overflows = sum(kept.gpu.values()) > room.bytes or sum(kept.host.values()) > host_room
     return (overflows, recompute_flops(shape, kept.placements, kept.attention),
-            kept.placements.count("recompute"), kept.attention.count("none"))
+            kept.placements.count(Placement.RECOMPUTE), kept.attention.count(AttentionPlacement.NONE))
 
 
-def rebuilding_keeps(shape: Shape, placements: list[str], attention: list[str], index: int) -> bool:
+def rebuilding_keeps(shape: Shape, placements: list[Placement], attention: list[AttentionPlacement],
+                     index: int) -> bool:
     """offload.store.rebuilds_attention where the attention output fits the input buffer it goes to (a
     Llama's does; the store keeps nothing otherwise)."""
     return shape.output_fits_input_slot and rebuilds_attention(placements, attention, index)
 
 
-def backward_attention_forwards(shape: Shape, placements: list[str], attention: list[str]) -> int:
+def backward_attention_forwards(shape: Shape, placements: list[Placement],
+                                attention: list[AttentionPlacement]) -> int:
     """The attention forwards a step's backward runs: one in each checkpointed layer's recomputation that
     replays no kept output (its own, or its rebuilding run's: `rebuilding_keeps`), and one in each run that
     rebuilds a recomputed input."""
-    replays = [a != "none" or rebuilding_keeps(shape, placements, attention, i) for i, a in enumerate(attention)]
-    return (sum(p != "full" and not replayed for p, replayed in zip(placements, replays))
-            + placements.count("recompute"))
+    replays = [a != AttentionPlacement.NONE or rebuilding_keeps(shape, placements, attention, i)
+               for i, a in enumerate(attention)]
+    return (sum(p != Placement.FULL and not replayed for p, replayed in zip(placements, replays))
+            + placements.count(Placement.RECOMPUTE))
 
 
-def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -> float:
+def recompute_flops(shape: Shape, placements: list[Placement], attention: list[AttentionPlacement]) -> float:
     """What a plan's backward recomputes beyond one forward of each checkpointed layer without its attention:
     its attention forwards (causal, over the whole row) and the rest of each rebuilding run. Trading an input
     for an attention output pays from about 50k tokens on (the attention forward of a Llama-3-8B layer then
@@ -154,7 +157,7 @@ def recompute_flops(shape: Shape, placements: list[str], attention: list[str]) -
     attention_forward = 2.0 * tokens * tokens * arch.head_dim * arch.num_attention_heads
     rest_of_layer = 2.0 * tokens * layer_parameters(arch)
     return (backward_attention_forwards(shape, placements, attention) * attention_forward
-            + placements.count("recompute") * rest_of_layer)
+            + placements.count(Placement.RECOMPUTE) * rest_of_layer)
 
 
 def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: KeptLayers,
@@ -167,10 +170,10 @@ def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: 
     count of recomputed inputs and, with `vary_gpu_inputs` (memory.gpu_layers unset), of GPU-kept inputs up
     to `base`'s (an input moved to the host leaves a GPU slot an output can take); none when `base`
     recomputes nothing."""
-    if "recompute" not in base.placements:
+    if Placement.RECOMPUTE not in base.placements:
         return []
-    from_embedding = base.placements[0] == "embedding"
-    layers, most_on_gpu = len(base.placements), base.placements.count("gpu") + from_embedding
+    from_embedding = base.placements[0] == Placement.EMBEDDING
+    layers, most_on_gpu = len(base.placements), base.placements.count(Placement.GPU) + from_embedding
     layouts = []
     fewest_on_gpu = int(from_embedding) if vary_gpu_inputs else most_on_gpu    # 0 and 1: one layout with "embedding"
     for on_gpu in range(most_on_gpu, fewest_on_gpu - 1, -1):
@@ -182,40 +185,40 @@ def _recomputing_for_outputs(shape: Shape, room: GpuRoom, host_room: int, base: 
     return layouts
 
 
-def _keeping_own_outputs(shape: Shape, room: GpuRoom, host_room: int, placements: list[str],
+def _keeping_own_outputs(shape: Shape, room: GpuRoom, host_room: int, placements: list[Placement],
                          recomputed: range) -> KeptLayers | None:
     """`placements` with the `recomputed` layers (from the top) keeping their attention outputs, on the host
     while its room lasts, then on the GPU while its room lasts; None where the inputs alone do not fit."""
-    attention = ["none"] * len(placements)
+    attention = [AttentionPlacement.NONE] * len(placements)
     gpu, host = _layer_bytes(shape, placements, attention, 0, room)
     host_left = host_room - sum(host.values())
     if sum(gpu.values()) > room.bytes or host_left < 0:
         return None
     on_host = min(len(recomputed), host_left // shape.attention_pinned_bytes)
     for index in recomputed[:on_host]:
-        attention[index] = "host"
+        attention[index] = AttentionPlacement.HOST
     for index in recomputed[on_host:]:
-        attention[index] = "gpu"
+        attention[index] = AttentionPlacement.GPU
         if sum(_layer_bytes(shape, placements, attention, 0, room)[0].values()) > room.bytes:
-            attention[index] = "none"
+            attention[index] = AttentionPlacement.NONE
             break
     return KeptLayers(placements, attention, *_layer_bytes(shape, placements, attention, 0, room))
 
 
 def _keep_inputs_then_attention(shape: Shape, memory_cfg, offload: bool, room: GpuRoom, host_room: int,
                                 reserve: int, layers: int, from_embedding: bool) -> KeptLayers:
-    no_attention = ["none"] * layers
+    no_attention = [AttentionPlacement.NONE] * layers
 
-    def gpu_bytes(placements: list[str], attention: list[str]) -> int:
+    def gpu_bytes(placements: list[Placement], attention: list[AttentionPlacement]) -> int:
         return sum(_layer_bytes(shape, placements, attention, 0, room)[0].values())
 
-    def inputs(on_gpu: int, recomputed: int) -> list[str]:
+    def inputs(on_gpu: int, recomputed: int) -> list[Placement]:
         return _placements(layers, on_gpu, recomputed, from_embedding)
 
     # Without CUDA there is nowhere to offload to: the "GPU" is the host.
     on_gpu = layers if not offload else min(layers, memory_cfg.gpu_layers) if memory_cfg.gpu_layers is not None \
         else _most(lambda n: gpu_bytes(inputs(n, 0), no_attention) + reserve <= room.bytes, layers)
-    on_host = inputs(on_gpu, 0).count("host")
+    on_host = inputs(on_gpu, 0).count(Placement.HOST)
     needed = max(0, on_host - host_room // pinned_size(shape.activation))
     recomputed = (memory_cfg.recomputed_inputs if memory_cfg.recomputed_inputs is not None
                   else min(needed, max_recomputed(layers, on_gpu)))
@@ -240,32 +243,33 @@ def _most(fits, limit: int) -> int:
     return n
 
 
-def _layer_bytes(shape: Shape, placements: list[str], attention: list[str], full_bytes: int,
+def _layer_bytes(shape: Shape, placements: list[Placement], attention: list[AttentionPlacement], full_bytes: int,
                  room: GpuRoom) -> tuple[dict[str, int], dict[str, int]]:
     """(GPU, host) bytes of kept inputs, attention outputs (with the GPU slot their host copies are
     prefetched into) and full layers' activations (`full_bytes` each): on the GPU at its fullest moment
     (`GpuRoom`; with gradients made in the backward, what layers up to the one back-propagating then keep,
     and those gradients), on the host all of them."""
     a, b = shape.activation, shape.attention_bytes
-    by_layer = [(a if kept == "gpu" else full_bytes if kept == "full" else 0) + (b if output == "gpu" else 0)
-                for kept, output in zip(placements, attention)]
+    by_layer = [(a if kept == Placement.GPU else full_bytes if kept == Placement.FULL else 0)
+                + (b if output == AttentionPlacement.GPU else 0) for kept, output in zip(placements, attention)]
     # A checkpointed layer's backward starts copying back the host-kept attention output of the layer below
     # (offload.policy; a full layer's backward is autograd's own and copies nothing).
-    slots = [b if k > 0 and placements[k] != "full" and copied_back_ahead(placements, attention, k - 1) else 0
-             for k in range(len(placements))]
+    slots = [b if k > 0 and placements[k] != Placement.FULL and copied_back_ahead(placements, attention, k - 1)
+             else 0 for k in range(len(placements))]
     _, layer = room.fullest(by_layer, slots)
     held = len(placements) if layer is None else layer + 1       # the layers whose kept bytes are held then
-    gpu = {"layer inputs on GPU": placements[:held].count("gpu") * a,
-           "attention outputs on GPU": attention[:held].count("gpu") * b}
-    host = {"pinned layer inputs": placements.count("host") * pinned_size(a)} if "host" in placements else {}
+    gpu = {"layer inputs on GPU": placements[:held].count(Placement.GPU) * a,
+           "attention outputs on GPU": attention[:held].count(AttentionPlacement.GPU) * b}
+    host = ({"pinned layer inputs": placements.count(Placement.HOST) * pinned_size(a)}
+            if Placement.HOST in placements else {})
     if layer is not None and layer >= 0 and slots[layer]:
         gpu[PREFETCH_SLOT] = slots[layer]
     if any(rebuilding_keeps(shape, placements, attention, index) for index in range(len(placements))):
         gpu["rebuilt attention lse"] = shape.attention_output[1]     # one at a time, through the layer above's backward
-    if "host" in attention:
-        host["pinned attention outputs"] = attention.count("host") * shape.attention_pinned_bytes
-    if "full" in placements:
-        gpu["full layers' activations"] = placements[:held].count("full") * full_bytes
+    if AttentionPlacement.HOST in attention:
+        host["pinned attention outputs"] = attention.count(AttentionPlacement.HOST) * shape.attention_pinned_bytes
+    if Placement.FULL in placements:
+        gpu["full layers' activations"] = placements[:held].count(Placement.FULL) * full_bytes
     if layer is not None and room.layer_gradient:
         gpu[FULLEST_MOMENT] = (len(placements) + room.layers_above - max(layer, 0)) * room.layer_gradient
     if layer == -1 and room.made_last:
@@ -283,15 +287,15 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
     already), then host-kept ones and layer 0's looked up from the embedding, from layer 0 up; never one
     below a recomputed input, which is rebuilt from the input the layer below keeps."""
     placements, attention = list(kept.placements), list(kept.attention)
-    candidates = [i for i, p in enumerate(placements) if p == "gpu"] + [
+    candidates = [i for i, p in enumerate(placements) if p == Placement.GPU] + [
         i for i, p in enumerate(placements)
-        if p in ("host", "embedding") and placements[i + 1:i + 2] != ["recompute"]]
+        if p in (Placement.HOST, Placement.EMBEDDING) and placements[i + 1:i + 2] != [Placement.RECOMPUTE]]
     chosen, costs = int(top_costs_nothing), (kept.gpu, kept.host)
     for index in candidates:
         if wanted is not None and chosen == wanted:
             break
         trial_placements, trial_attention = list(placements), list(attention)
-        trial_placements[index], trial_attention[index] = "full", "none"
+        trial_placements[index], trial_attention[index] = Placement.FULL, AttentionPlacement.NONE
         trial = _layer_bytes(shape, trial_placements, trial_attention, full_bytes, room)
         if wanted is None and (sum(trial[0].values()) > room.bytes or sum(trial[1].values()) > host_room):
             continue
@@ -301,7 +305,7 @@ def with_full_layers(kept: KeptLayers, shape: Shape, full_bytes: int, room: GpuR
                           f"input kept, on the GPU or the host, and no recomputed input above it): set it to at "
                           f"most {chosen}, or null to let the planner choose")
     if top_costs_nothing:
-        placements, attention = placements + ["full"], attention + ["none"]
+        placements, attention = placements + [Placement.FULL], attention + [AttentionPlacement.NONE]
     return KeptLayers(placements, attention, *costs)
 
 

@@ -21,6 +21,7 @@ from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_
                                 sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
+from offload.store import AttentionPlacement, Placement
 from offload.units import GIB
 
 
@@ -35,9 +36,9 @@ class Ranks:
 
 @dataclass
 class MemoryPlan:
-    placements: list[str] | None        # per layer: gpu | host | recompute | full; None: no checkpointing
+    placements: list[Placement] | None  # per layer: gpu | host | recompute | full | embedding; None: no checkpointing
     mlp_tiles: int
-    attention: list[str] | None         # per layer, where its attention output is kept: gpu | host | none
+    attention: list[AttentionPlacement] | None  # per layer, where its attention output is kept: gpu | host | none
     gpu: dict[str, int]                  # predicted peak GPU bytes, itemized
     host: dict[str, int]                 # predicted peak host bytes, itemized
     capacity: Capacity
@@ -82,20 +83,22 @@ class MemoryPlan:
         """What the "gpu" figures describe: the GPU, or on a CPU run the host acting as the device."""
         return "GPU" if self.capacity.device_type == "cuda" else f"{self.capacity.device_type} device"
 
-    def count(self, placement: str) -> int:
+    def count(self, placement: Placement) -> int:
         return 0 if self.placements is None else self.placements.count(placement)
 
-    def kept_attention(self, placement: str) -> int:
+    def kept_attention(self, placement: AttentionPlacement) -> int:
         return 0 if self.attention is None else self.attention.count(placement)
 
     def describe(self) -> str:
-        full = f"full layers={self.count('full')}, " if self.count("full") else ""    # only where some are
+        full = self.count(Placement.FULL)
         lines = [f"memory plan: checkpointing {'off' if self.placements is None else 'on'}, layer inputs "
-                 f"gpu={self.count('gpu')} host={self.count('host')} recomputed={self.count('recompute')}, {full}"
-                 f"attention outputs kept gpu={self.kept_attention('gpu')} host={self.kept_attention('host')}, "
-                 f"mlp_tiles={self.mlp_tiles}" + (f", full_state={self.full_state}" if self.full_state else "")
+                 f"gpu={self.count(Placement.GPU)} host={self.count(Placement.HOST)} "
+                 f"recomputed={self.count(Placement.RECOMPUTE)}, " + (f"full layers={full}, " if full else "")
+                 + f"attention outputs kept gpu={self.kept_attention(AttentionPlacement.GPU)} "
+                 f"host={self.kept_attention(AttentionPlacement.HOST)}, mlp_tiles={self.mlp_tiles}"
+                 + (f", full_state={self.full_state}" if self.full_state else "")
                  + f", attention kernel {self.attention_kernel}"
-                 + (", layer 0's input looked up again from the embedding" if self.count("embedding") else "")]
+                 + (", layer 0's input looked up again from the embedding" if self.count(Placement.EMBEDDING) else "")]
         for title, items, total, limit in ((self.device_label, self.gpu, self.gpu_peak, self.capacity.gpu_limit),
                                            ("host", self.host, self.host_peak, self.capacity.host)):
             lines.append(f"  {title} peak {total / GIB:7.2f} GiB of {limit / GIB:.2f} GiB usable")

@@ -3,17 +3,18 @@
 `apply_memory_policy(model, placements, mlp_tiles, device)` replaces `LlamaModel.run_layer` on the instance
 (the model code knows nothing of this) and the MLPs' `forward`. Per checkpointed decoder layer, only its
 input survives the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the
-next layer computes, or not kept at all and recomputed from the previous layer's input ("gpu" / "host" /
-"recompute" placements; offload.store holds them); layer 0's, the token embedding's output, is looked up
+next layer computes, or not kept at all and recomputed from the previous layer's input (`Placement` "gpu" /
+"host" / "recompute"; offload.store defines and holds them); layer 0's, the token embedding's output, is looked up
 again from the token ids ("embedding", recorded by a forward hook on the embedding). A "full" layer is not
 checkpointed: plain autograd keeps its activations and its backward recomputes nothing but its tiled MLP's
 tiles. The backward of a checkpointed layer i waits for its input, starts the host-to-GPU copy of the one
 needed next, recomputes layer i with grad and back-propagates through it; LoRA parameters accumulate their
 gradients there, as in reentrant checkpointing. Host buffers are pinned at the planner's sizes (`pin_buffers`).
 
-Optionally (`attention` placements, "gpu" / "host" / "none" per layer) a layer's attention output and
-log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`: the recomputation then reuses
-them instead of running the attention forward again, the costliest part of a long-sequence recompute.
+Optionally (`attention` placements, "gpu" / "host" / "none" per layer, `offload.store.AttentionPlacement`)
+a layer's attention output and log-sum-exp are kept too, through a `kernels.attention_tape.AttentionTape`:
+the recomputation then reuses them instead of running the attention forward again, the costliest part of a
+long-sequence recompute.
 A layer re-run to rebuild the recomputed input above it keeps that run's attention outputs the same way, for
 its own backward next, in host memory its input no longer needs (`offload.store.rebuilds_attention`).
 """
@@ -28,7 +29,8 @@ from kernels.attention_tape import AttentionTape
 from model import unwrap_llama
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
-from offload.store import EmbeddingLookup, LayerInputStore, ReplayState, attention_key, input_key
+from offload.store import (AttentionPlacement, EmbeddingLookup, LayerInputStore, Placement, ReplayState,
+                           attention_key, input_key)
 
 
 def _row_ranges(rows: int, tiles: int) -> list[tuple[int, int]]:
@@ -206,7 +208,7 @@ class MemoryPolicy:
     def install(self) -> "MemoryPolicy":
         if self.store is not None:
             self.decoder.run_layer = self.run_layer
-            if "embedding" in self.store.placements:
+            if Placement.EMBEDDING in self.store.placements:
                 EmbeddingLookup.check_looked_up_again(self.decoder.embed_tokens)
                 self.lookup_hook = self.decoder.embed_tokens.register_forward_hook(self.store.record_lookup)
         if self.mlp_tiles > 1:
@@ -232,15 +234,15 @@ class MemoryPolicy:
         if self.store is None:
             return
         for index, placement in enumerate(self.store.placements):
-            if placement == "host":
+            if placement == Placement.HOST:
                 self.engine.pool.get(input_key(index), shape.activation)
-            if self.store.attention[index] == "host":
+            if self.store.attention[index] == AttentionPlacement.HOST:
                 for part, size in enumerate(shape.attention_output):
                     self.engine.pool.get(attention_key(index, 0, part), size)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, rope, cu_seqlens) -> torch.Tensor:
         index = self.index_of[id(layer)]
-        if not torch.is_grad_enabled() or self.store.placements[index] == "full":
+        if not torch.is_grad_enabled() or self.store.placements[index] == Placement.FULL:
             return layer(hidden, rope, cu_seqlens)      # "full": autograd keeps its activations, no recompute
         return OffloadedCheckpoint.apply(self.anchor, hidden, self, index, rope, cu_seqlens)
 
@@ -287,6 +289,7 @@ def _down_projection(mlp: nn.Module) -> nn.Linear:
 def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tiles: int,
                         device: torch.device, attention: list[str] | None = None) -> MemoryPolicy:
     """Install checkpointing (placements per layer, None = off), kept attention outputs (per layer, None =
-    none) and MLP tiling (tiles > 1) on `model`."""
+    none) and MLP tiling (tiles > 1) on `model`. Placements are members of offload.store's Placement and
+    AttentionPlacement, or their strings."""
     decoder = unwrap_llama(model).model        # the LlamaModel inside a Llama, possibly wrapped by peft
     return MemoryPolicy(decoder, placements, mlp_tiles, device, attention).install()

@@ -11,16 +11,47 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
 from kernels.attention_tape import AttentionTape
 from offload.engine import CopyEngine, HostCopy, PendingTensor
 
-PLACEMENTS = ("gpu", "host", "recompute", "full", "embedding")
+
+class _PrintedAsValue(str, Enum):
+    """A str-valued enum whose members print as their values (str, format and repr, alike on every Python
+    version): plans, messages and the lists in them read as the plain strings did, and a member equals its
+    string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Placement(_PrintedAsValue):
+    """Where a decoder layer's input is kept from its forward to its backward (the planner's choice per layer)."""
+    GPU = "gpu"
+    HOST = "host"                # pinned host memory, copied on the copy engine's side stream
+    RECOMPUTE = "recompute"      # not kept: rebuilt from the layer below's input
+    FULL = "full"                # not checkpointed: autograd keeps every activation, the store nothing
+    EMBEDDING = "embedding"      # layer 0's only: the token embedding's lookup, done again from the token ids
+
+
+class AttentionPlacement(_PrintedAsValue):
+    """Where a checkpointed layer's attention output is kept for its recomputation to replay, or NONE."""
+    GPU = "gpu"
+    HOST = "host"
+    NONE = "none"
+
+
 # Placements whose input the store keeps (or looks up again): a "recompute" layer is rebuilt from the layer below's.
-KEPT = ("gpu", "host", "embedding")
-ATTENTION_PLACEMENTS = ("gpu", "host", "none")
+KEPT = (Placement.GPU, Placement.HOST, Placement.EMBEDDING)
 
 
 @dataclass
@@ -59,22 +90,22 @@ def attention_key(index: int, call: int, part: int) -> tuple[str, int, int, int]
     return ("attention", index, call, part)
 
 
-def rebuilds_attention(placements: list[str], attention: list[str], index: int) -> bool:
+def rebuilds_attention(placements: list[Placement], attention: list[AttentionPlacement], index: int) -> bool:
     """Whether layer `index`, whose forward is run again in the backward to rebuild the recomputed input of
     the layer above, keeps that forward's attention outputs for its own backward, which comes next: its
     recomputation then replays them instead of running its attention forward a third time (one attention
     forward per recomputed input: at 524k tokens, 3.5 s each). Its attention output goes where its input was
     kept on the host, a buffer idle once that input is back on the GPU (the attention output of a Llama is the
     size of a layer input); its lse (1/32 of that at head dim 128) stays on the GPU, where the plan counts one."""
-    return (placements[index] == "host" and attention[index] == "none"
-            and placements[index + 1:index + 2] == ["recompute"])
+    return (placements[index] == Placement.HOST and attention[index] == AttentionPlacement.NONE
+            and placements[index + 1:index + 2] == [Placement.RECOMPUTE])
 
 
-def copied_back_ahead(placements: list[str], attention: list[str], index: int) -> bool:
+def copied_back_ahead(placements: list[Placement], attention: list[AttentionPlacement], index: int) -> bool:
     """Whether layer `index`'s host-kept attention output is copied back during the backward of the layer
     above, into a GPU slot the plan counts there. A recomputed input's own output is not: its copy back
     starts in its own backward, hidden behind the forward that rebuilds its input, and needs no such slot."""
-    return attention[index] == "host" and placements[index] != "recompute"
+    return attention[index] == AttentionPlacement.HOST and placements[index] != Placement.RECOMPUTE
 
 
 @dataclass(eq=False)
@@ -121,26 +152,27 @@ def _when_replayed(payload: Payload) -> torch.Tensor | Callable[[], torch.Tensor
 
 
 def check_placements(placements: list[str], attention: list[str]) -> None:
-    """Raise ValueError for a layout the store cannot serve."""
-    unknown = set(placements) - set(PLACEMENTS)
+    """Raise ValueError for a layout the store cannot serve (members of Placement and AttentionPlacement, or
+    their strings)."""
+    unknown = set(placements) - set(Placement)
     if unknown:
-        raise ValueError(f"placements must be among {PLACEMENTS}, got {sorted(unknown)}")
-    if len(attention) != len(placements) or set(attention) - set(ATTENTION_PLACEMENTS):
-        raise ValueError(f"attention placements must be one of {ATTENTION_PLACEMENTS} per layer "
+        raise ValueError(f"placements must be among {tuple(Placement)}, got {sorted(unknown)}")
+    if len(attention) != len(placements) or set(attention) - set(AttentionPlacement):
+        raise ValueError(f"attention placements must be one of {tuple(AttentionPlacement)} per layer "
                          f"({len(placements)}), got {attention}")
-    if any(p == "recompute" and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
+    if any(p == Placement.RECOMPUTE and (i == 0 or placements[i - 1] not in KEPT) for i, p in enumerate(placements)):
         raise ValueError("a 'recompute' layer needs the previous layer's input kept (gpu, host or embedding): not "
                          f"layer 0, never above a 'recompute' or 'full' layer; got {placements}")
-    if "embedding" in placements[1:]:
+    if Placement.EMBEDDING in placements[1:]:
         raise ValueError(f"only layer 0's input is the token embedding's output ('embedding'); got {placements}")
-    if any(p == "full" and a != "none" for p, a in zip(placements, attention)):
+    if any(p == Placement.FULL and a != AttentionPlacement.NONE for p, a in zip(placements, attention)):
         raise ValueError("a 'full' layer is never recomputed, so its attention placement must be 'none'; got "
                          f"placements {placements}, attention {attention}")
 
 
 @dataclass(eq=False)
 class StoredInput:
-    placement: str
+    placement: Placement
     payload: Payload | None
     replay: ReplayState
     # "recompute": the token of the layer below's record, kept by the same forward, this input is rebuilt from.
@@ -158,9 +190,13 @@ class LayerInputStore:
     and prefetches in the backward."""
 
     def __init__(self, placements: list[str], engine: CopyEngine, attention: list[str] | None = None):
-        attention = attention or ["none"] * len(placements)
+        """`placements` and `attention` per layer: members of Placement and AttentionPlacement, or their
+        strings, which are taken as those members."""
+        attention = attention or [AttentionPlacement.NONE] * len(placements)
         check_placements(placements, attention)
-        self.placements, self.attention, self.engine = placements, attention, engine
+        self.placements = [Placement(p) for p in placements]
+        self.attention = [AttentionPlacement(a) for a in attention]
+        self.engine = engine
         self.stored: dict[int, StoredInput] = {}
         # The embedding's last lookup, its output (weakly) and that output's version (`record_lookup`), for an
         # "embedding" layer 0.
@@ -174,14 +210,14 @@ class LayerInputStore:
         """Keep layer `index`'s input (replacing what an earlier forward kept for it); returns the token its
         backward gives `check_owner`."""
         placement = self.placements[index]
-        payload = None                                   # "recompute": nothing kept
-        if placement == "gpu":
+        payload = None                                   # RECOMPUTE: nothing kept
+        if placement == Placement.GPU:
             payload = hidden.detach()
-        elif placement == "host":
+        elif placement == Placement.HOST:
             payload = self.engine.to_host(input_key(index), hidden.detach())
-        elif placement == "embedding":
+        elif placement == Placement.EMBEDDING:
             payload = self._looked_up(hidden)
-        below = self.stored[index - 1].token if placement == "recompute" else None
+        below = self.stored[index - 1].token if placement == Placement.RECOMPUTE else None
         record = StoredInput(placement, payload, ReplayState.capture(hidden.device), below)
         self.stored[index] = record
         return record.token
@@ -214,7 +250,7 @@ class LayerInputStore:
 
     def source(self, index: int) -> int:
         """The layer whose kept input the input of `index` is rebuilt from."""
-        return index - 1 if self.placements[index] == "recompute" else index
+        return index - 1 if self.placements[index] == Placement.RECOMPUTE else index
 
     def take(self, index: int) -> torch.Tensor:
         """The input of layer `index` on the device, waiting for its copy if one is in flight."""
@@ -223,11 +259,11 @@ class LayerInputStore:
         return record.payload
 
     def keeps_attention(self, index: int) -> bool:
-        return self.attention[index] != "none"
+        return self.attention[index] != AttentionPlacement.NONE
 
     def keep_attention(self, index: int, tape: AttentionTape) -> None:
         """Keep what layer `index`'s forward recorded on `tape`, where its attention placement says."""
-        on_host = self.attention[index] == "host"
+        on_host = self.attention[index] == AttentionPlacement.HOST
         self.stored[index].attention = [
             tuple(self.engine.to_host(attention_key(index, call, part), t) if on_host else t
                   for part, t in enumerate(pair)) for call, pair in enumerate(tape.saved)]
@@ -275,7 +311,7 @@ class LayerInputStore:
 
     def prefetch_below(self, index: int) -> None:
         """Start copying back the next kept input below `index`, to overlap this layer's backward."""
-        below = [i for i in self.stored if i < index and self.stored[i].placement != "recompute"]
+        below = [i for i in self.stored if i < index and self.stored[i].placement != Placement.RECOMPUTE]
         if below:
             record = self.stored[max(below)]
             record.payload = _started(record.payload, self.engine)

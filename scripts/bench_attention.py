@@ -19,7 +19,8 @@ TRITON_OVERRIDE_ARCH=sm80 times the code an A100 compiles, on this GPU.
 
 The contenders of a case are timed in turn, round after round (`--rounds`, 5 by default), and each cell is
 the median over the rounds with its spread (max - min, in % of the median): the GPU's clock moves with its
-temperature and power, so timing one contender after another once ranked the same kernel 11% apart.
+temperature and power, so one contender timed after another, once, is not a comparison
+(docs/PERFORMANCE.md, "How to measure").
 `--profile` adds, per case, the GPU time of each kernel of every contender's forward+backward (torch.profiler);
 `--clocks`, the mean SM clock, the mean power by the energy counter and the work per joule (TFLOP/J) while each
 cell was timed (NVML, scripts/gpu_clocks.py): at the GPU's power limit the work per joule decides speed. The
@@ -232,7 +233,7 @@ def main():
     parser.add_argument("--peers", nargs="*", choices=["flash", "cudnn", "flex"], default=["flash", "cudnn", "flex"])
     parser.add_argument("--no-packed", action="store_true", help="skip the packed-documents case")
     parser.add_argument("--rounds", type=int, default=5, help="timings of each contender, taken in turn")
-    # The energy counter moves in steps too coarse for 0.1 s cells (docs/BENCHMARKS.md): --clocks wants 1000+.
+    # The energy counter moves in steps too coarse for 0.1 s cells: --clocks wants 1000+ (docs/PERFORMANCE.md).
     parser.add_argument("--rep-ms", type=int, default=100, help="milliseconds each timing of a cell lasts")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time of each kernel of every contender's fwd+bwd")

@@ -1,5 +1,5 @@
 """Benchmarks of the norm, RoPE, SwiGLU and linear-cross-entropy kernels against their peers on one CUDA GPU
-(results: docs/BENCHMARKS.md).
+(results: docs/PERFORMANCE.md, "Kernels").
 
     python scripts/bench_kernels.py [--skip-liger] [--sweep] [--only norms|rope_swiglu|cross_entropy]
 

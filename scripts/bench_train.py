@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.allocator import prefer_expandable_segments  # noqa: E402
+from trainer.allocator import cap_gpu_memory, gpu_memory_cap, prefer_expandable_segments  # noqa: E402
 
 prefer_expandable_segments()
 
@@ -48,23 +48,42 @@ def random_batch(seq_len: int, vocab: int, device) -> tuple[torch.Tensor, torch.
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
-    """The trainer's model (memory policy included), its optimizer and a step function."""
+def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
+    """The trainer's config of this benchmark: the Llama-3-8B architecture, batch 1, then the overrides."""
     from hydra import compose, initialize_config_dir
 
-    import kernels
     from conf.schema import register_configs
-    from conf.validate import validate
-    from model import unwrap_llama
-    from trainer.build import build_model, checked_plan
-    from trainer.distributed import World
-    from trainer.optim import build_optimizer
-    from trainer.step import clip_gradients
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
-                                           *overrides])
+        return compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
+                                            *overrides])
+
+
+def cap_to_planned_gpu(cfg, device: torch.device) -> float | None:
+    """The trainer's cap (trainer.allocator), for either stack: memory.gpu or memory.gpu_memory_gib naming a
+    smaller GPU than this one (h100_80gb on an H200) holds the CUDA allocator to its size before anything is
+    built. Returns the share of this GPU allowed (None: not capped)."""
+    from conf.schema.memory import resolve_gpu_preset
+    from offload.byte_model import Capacity
+    resolve_gpu_preset(cfg.memory)
+    planned = Capacity.detect(device, cfg.memory).gpu
+    cap_gpu_memory(planned, device)
+    return gpu_memory_cap(planned, device)
+
+
+def build_ours(cfg):
+    """The trainer's model (memory policy included), its optimizer and a step function."""
+    import kernels
+    from conf.validate import validate
+    from model import unwrap_llama
+    from data import Batch
+    from trainer.build import build_model, checked_plan
+    from trainer.distributed import World
+    from trainer.evaluate import Evaluator
+    from trainer.optim import build_optimizer
+    from trainer.step import clip_gradients
+
     validate(cfg)
     kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
     device = torch.device("cuda")
@@ -84,7 +103,7 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
 
     pin_start = time.perf_counter()
     built.policy.pin_buffers(plan.shape)
-    info = {"stack": "ours", "overrides": overrides, "pin_s": time.perf_counter() - pin_start,
+    info = {"stack": "ours", "pin_s": time.perf_counter() - pin_start,
             "plan": {"placements": "".join(p[0] for p in plan.placements) if plan.placements else None,
                      "attention": "".join(p[0] for p in plan.attention) if plan.attention else None,
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
@@ -93,15 +112,14 @@ def build_ours(seq_len: int, overrides: list[str], train: str = "lora"):
     info["plan"]["eval_peak_gib"] = plan.eval_peak / GIB
 
     def evaluate(input_ids, labels):
-        from data import Batch
-        from trainer.evaluate import Evaluator
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        return Evaluator(model, device, World.single(), seq_len, [Batch(input_ids, labels, positions)], None).evaluate()
+        batch = Batch(input_ids, labels, positions)
+        return Evaluator(model, device, World.single(), cfg.seq_len, [batch], None).evaluate()
 
     return lm.config, step, built.policy.stats, info, evaluate
 
 
-def build_peer(seq_len: int, overrides: list[str]):
+def build_peer():
     """transformers LlamaForCausalLM + peft LoRA + Liger-Kernel + HF gradient checkpointing + save_on_cpu."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from peft import LoraConfig, get_peft_model
@@ -130,7 +148,7 @@ def build_peer(seq_len: int, overrides: list[str]):
         optimizer.step()
         return loss
 
-    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu", "overrides": overrides}, None
+    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu"}, None
 
 
 def eval_timings(evaluate, input_ids, labels, runs: int, step_seconds: float) -> dict:
@@ -153,7 +171,8 @@ def main() -> None:
     parser.add_argument("--train", choices=("lora", "full"), default="lora",
                         help="full: every parameter (issue 6; the planner picks train.full_state)")
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
-    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU time by kind (scripts/step_profile.py)")
+    parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU "
+                                                                "time by kind (scripts/step_profile.py)")
     parser.add_argument("--eval", action="store_true", help="also time trainer.evaluate's forward-only evaluation")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
@@ -166,8 +185,10 @@ def main() -> None:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    arch, step, offload_stats, info, evaluate = (build_peer(args.seq_len, args.overrides) if args.peer else
-                                       build_ours(args.seq_len, args.overrides, args.train))
+    cfg = trainer_config(args.seq_len, args.overrides, args.train)
+    gpu_memory_cap = cap_to_planned_gpu(cfg, torch.device("cuda"))
+    arch, step, offload_stats, info, evaluate = build_peer() if args.peer else build_ours(cfg)
+    info |= {"overrides": args.overrides, "gpu_memory_cap": gpu_memory_cap}
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
     torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's
     times, losses = [], []

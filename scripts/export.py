@@ -1,13 +1,16 @@
 """Export a training checkpoint as a merged Hugging Face model directory.
 
-    python scripts/export.py <run dir>/checkpoints/step-<N> <out dir> [--dtype auto|float32|bfloat16]
+    .venv/bin/python scripts/export.py <run dir>/checkpoints/step-<N> <out dir> [--dtype auto|float32|bfloat16]
+        [--tokenizer <dir>]
 
 LoRA checkpoints are merged into their base: model.path from the checkpoint's config, or for a random-init
 base the <run dir>/base_model/ the trainer kept. Full fine-tuning checkpoints are written as they are. The
 tokenizer files, generation_config.json and bos/eos/pad token ids of the model it came from (model.path)
 are carried over, so the output loads with transformers.AutoModelForCausalLM.from_pretrained(<out dir>),
-AutoTokenizer and pipeline("text-generation", model=<out dir>). --dtype auto keeps the dtype the weights
-are stored in (the base's, for LoRA).
+AutoTokenizer and pipeline("text-generation", model=<out dir>). A run without model.path (random init) has
+no tokenizer: --tokenizer <dir> copies one from a directory holding a saved tokenizer, and without it the
+export says that none was written. --dtype auto keeps the dtype the weights are stored in (the base's, for
+LoRA).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from data.tokenize import tokenizer_files  # noqa: E402
+from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, read_config, token_ids,  # noqa: E402
                                  weight_files)
 from trainer.build import architecture  # noqa: E402
@@ -83,7 +86,20 @@ def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, to
     return weights, config.to_hf_dict(), stored_dtype(checkpoint / WEIGHTS_FILE)
 
 
-def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
+def tokenizer_source(tokenizer: Path | None) -> list[Path]:
+    """The tokenizer files of --tokenizer <dir> (none without it); ExportError when it holds no tokenizer."""
+    if tokenizer is None:
+        return []
+    files = tokenizer_files(tokenizer) if tokenizer.is_dir() else []
+    if not any(file.name in TOKENIZER_FILES for file in files):
+        raise ExportError(f"--tokenizer {tokenizer} holds no saved tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                          f"give a directory written by AutoTokenizer.save_pretrained")
+    return files
+
+
+def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path | None = None) -> Path:
+    """Write `checkpoint` as a Hugging Face model into the new directory `out_dir`; `tokenizer`: a directory
+    whose saved tokenizer replaces model.path's (the only one a random-init run can have)."""
     checkpoint = Path(checkpoint).expanduser()
     problem = marker_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
     if problem:
@@ -94,6 +110,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
                           f"changed)")
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    tokenizer_copy = tokenizer_source(tokenizer)
     cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
     lora = (checkpoint / ADAPTER_DIR).is_dir()
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
@@ -102,8 +119,11 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto") -> Path:
     target = stored if dtype == "auto" else DTYPES[dtype]
     config |= token_ids(source) if source else {}
     config["torch_dtype"] = str(target).removeprefix("torch.")
+    companions = companion_files(source) if source else []
+    if tokenizer_copy:
+        companions = [file for file in companions if file not in tokenizer_files(source)] + tokenizer_copy
     return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir,
-                                 companion_files(source) if source else [])
+                                 companions)
 
 
 def main() -> None:
@@ -111,12 +131,17 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path, help="<run dir>/checkpoints/step-<N>")
     parser.add_argument("out_dir", type=Path, help="new directory for the Hugging Face model")
     parser.add_argument("--dtype", default="auto", help="auto (as stored), float32, bfloat16 or float16")
+    parser.add_argument("--tokenizer", type=Path, help="directory of a saved tokenizer to write with the model "
+                                                       "(default: model.path's)")
     args = parser.parse_args()
     try:
-        out = export(args.checkpoint, args.out_dir, args.dtype)
+        out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
     except (ExportError, CheckpointError, HFCheckpointError, OSError) as error:
         sys.exit(f"export failed: {error}")
     print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    if not tokenizer_files(out):
+        print(f"no tokenizer written: the run had no model.path (random init), so pipeline() and AutoTokenizer "
+              f"cannot load {out}; add one with --tokenizer <dir of a saved tokenizer> (into a new out dir)")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """The GPU's SM clock and power while a benchmark times something: NVML (the driver's libnvidia-ml, called
 through ctypes) read every few milliseconds by a thread, so that a table can say at what clock each cell was
-measured. The H100 lowers its clock at its 700 W power limit: on 2026-11-25 the same cuDNN kernel on the same
-inputs took 1-4% longer right after our forward than after cuDNN's, and cells of one run spread by up to 17%
-(docs/BENCHMARKS.md). The clock is read as it is; the power (nvmlDeviceGetPowerUsage, nvidia-smi's power.draw)
-is the driver's own average (over up to a second on some GPUs), so a short cell's watts include its
-neighbours'. The energy counter (nvmlDeviceGetTotalEnergyConsumption, mJ since the driver loaded) has no such
-lag: the energy a window used over its duration is its exact mean power, and a kernel's TFLOP/s over those
-watts is its work per joule, what decides its speed once the GPU runs at its power limit (at 32k every
-attention forward+backward measured did, 2026-11-25).
+measured. The H100 lowers its clock at its 700 W power limit, so a kernel's time moves with the clock and the
+power of what ran before it (docs/PERFORMANCE.md, "How to measure"). The clock is read as it is; the power
+(nvmlDeviceGetPowerUsage, nvidia-smi's power.draw) is the driver's own average (over up to a second on some
+GPUs), so a short cell's watts include its neighbours'. The energy counter
+(nvmlDeviceGetTotalEnergyConsumption, mJ since the driver loaded) has no such lag: the energy a window used
+over its duration is its exact mean power, and a kernel's TFLOP/s over those watts is its work per joule, what
+decides its speed once the GPU runs at its power limit (as every attention forward+backward measured from 32k
+does).
 
 NVML rather than nvidia-smi --loop-ms, whose output read with its errors discarded gave the H100 a table
 without a single sample and no reason (most likely a query field it refused). Here a failing NVML call raises,

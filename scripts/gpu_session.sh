@@ -15,7 +15,11 @@ set -uo pipefail
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/*.whl && touch /tmp/site/.installed; } || exit 1
 # The tuning cache stays out of $OUT: at most 8 files come back, and a background job outlives its call's $OUT.
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
+export PYTHONPATH=/tmp/site${GPU_CAP_DIR:+:$GPU_CAP_DIR} PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
+# An 80 GB GPU on a bigger one (docs/PERFORMANCE.md, "How to measure"): GPU_CAP_GIB=79.2 and GPU_CAP_DIR, the folder
+# of a sitecustomize.py that caps the CUDA allocator at start-up, before train.py or bench_train.py could set the
+# allocator's options; BENCH_OVERRIDES="memory.gpu=h100_80gb memory.host_memory_gib=125" plans the bench steps so.
+[ -n "${GPU_CAP_GIB:-}" ] && export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 # The GPU tests in two halves (on the H100 kernel_tests took 5 minutes, training_tests 1.5: both fit one call);
@@ -34,7 +38,7 @@ rest_test_files() { ls tests/test_*.py | grep -vxF -f <(printf '%s\n' $KERNEL_TE
 gpu_tests() { local name=$1 limit=$2; shift 2
   TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-$limit} python3 -m pytest -v --tb=short "$@" 2>&1 | tee $OUT/$name.log |
     grep -E "FAILED|ERROR|passed|failed"; }
-bench() { python3 scripts/bench_train.py "$@" 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
+bench() { python3 scripts/bench_train.py "$@" ${BENCH_OVERRIDES:-} 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
           python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
 # A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end
 # and holds its exit status.
@@ -71,14 +75,14 @@ for step in "$@"; do
     # one-pass backward's variants timed and metered in turn (BWD_VARIANTS: names; all of them if empty).
     attn_energy) python3 scripts/bench_attention.py --seqlens 32768 --peers cudnn --rounds 5 --clocks --rep-ms 1000 \
         --no-packed 2>&1 | tee $OUT/attn_energy.log | tail -5 ;;
-    bwd_energy) python3 docs/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
+    bwd_energy) python3 scripts/experiments/backward_variants.py ${BWD_VARIANTS:-} --cases 32k --meter 2>&1 | tee $OUT/bwd_energy.log ;;
     # The working tree's Gluon backward or forward against the file at AB_BASE (HEAD by default; one-second cells,
     # in turn), and the Gluon kernels' GPU tests: an experiment applied as a patch (docs/experiments/*.patch)
     # measured and tested in one call.
-    bwd_ab) python3 docs/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
+    bwd_ab) python3 scripts/experiments/backward_variants.py --base ${AB_BASE:-HEAD} --meter --cases 32k 8k packed-16x4k \
         2>&1 | tee $OUT/bwd_ab.log ;;
     fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
-      AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
+      AB_CELL_MS=1000 python3 scripts/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
         grep -v "max diff 0 lse max diff 0 nan False" ;;
     attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;
@@ -92,7 +96,7 @@ for step in "$@"; do
     full_131k) bench --seq-len 131072 --steps 2 --train full ;;
     # One step each at 524k then 262k (minutes each, longer than a call), in the background; LONG_SEQLENS
     # picks others.
-    long_steps) background long_steps "for s in ${LONG_SEQLENS:-524288 262144}; do python3 scripts/bench_train.py --seq-len \$s --steps 1 \
+    long_steps) background long_steps "for s in ${LONG_SEQLENS:-524288 262144}; do python3 scripts/bench_train.py --seq-len \$s --steps 1 ${BENCH_OVERRIDES:-} \
         >> /tmp/long_steps.jsonl 2>> /tmp/long_steps.err; done" ;;
     # Waits for the background jobs (again within 30 s of each return, or the idle machine is given back and
     # they die), then brings back what the finished ones wrote.

@@ -1,4 +1,4 @@
-"""Print the memory plan of a config: `python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
+"""Print the memory plan of a config: `.venv/bin/python scripts/plan.py model=llama3_8b train=lora seq_len=524288`.
 
 Plans for the GPU and host of this machine. Elsewhere name the target GPU, `memory.gpu=a100_80gb|h100_80gb|
 h200`, or give its size, `memory.gpu_memory_gib=79.2`, and the host's, `memory.host_memory_gib=125`; on a
@@ -17,11 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 import torch  # noqa: E402
 
-from conf.schema import register_configs  # noqa: E402
+from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
 from conf.schema.parallel import world_size  # noqa: E402
-from conf.validate import check_known_keys  # noqa: E402
+from conf.validate import check_finite_numbers, check_known_keys  # noqa: E402
 from offload.placement import rebuilding_keeps  # noqa: E402
+from offload.store import Placement  # noqa: E402
 from trainer.build import plan_for  # noqa: E402
 
 register_configs()
@@ -46,6 +47,7 @@ def main(cfg) -> None:
     device = torch.device("cpu" if cfg.device == "cpu" else "cuda")
     try:
         check_known_keys(cfg)
+        check_finite_numbers(cfg, JobConfig)
         check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked
         if device.type == "cuda" and not torch.cuda.is_available():
             print(plan_without_a_gpu(cfg.memory))
@@ -61,8 +63,8 @@ def main(cfg) -> None:
         sys.exit(2)
     print(plan.describe() if plan.fits else plan.failure())
     if plan.placements is not None:
-        full = " f=full: every activation kept" if "full" in plan.placements else ""
-        embedding = " e=looked up from the embedding" if "embedding" in plan.placements else ""
+        full = " f=full: every activation kept" if Placement.FULL in plan.placements else ""
+        embedding = " e=looked up from the embedding" if Placement.EMBEDDING in plan.placements else ""
         print("layer inputs:     ", " ".join(p[0] for p in plan.placements),
               f"(g=gpu h=host r=recomputed{full}{embedding})")
         rebuilt = [rebuilding_keeps(plan.shape, plan.placements, plan.attention, i) for i in range(len(plan.attention))]

@@ -1,6 +1,6 @@
 """Plot a run's metrics.jsonl (no W&B needed) into PNGs in the run directory.
 
-    python scripts/report.py <run dir>
+    .venv/bin/python scripts/report.py <run dir>
 
 Writes report_loss.png, report_accuracy.png (when the run logged accuracy), report_throughput.png and
 report_memory.png, each titled with the run directory, and prints a one-paragraph summary. A metric that is

@@ -87,7 +87,7 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
     specializes a launch at Llama's shapes (strides, lengths, head counts); the attention kernels' first
     configuration also without, as a launch at an odd length is compiled. Both matter: ptxas crashed on a
     Hopper backward only with its length aligned, and the sm_80 attention kernels take more shared memory
-    aligned (docs/BENCHMARKS.md)."""
+    aligned (c729dfe:docs/BENCHMARKS.md)."""
     odd_lengths = [fa._attn_fwd_kernel, fa._attn_bwd_dq_kernel, fa._attn_bwd_dkdv_kernel,
                    fa_hopper._attn_fwd_kernel, fa_hopper_backward._attn_bwd_kernel]
     jobs = _jobs(all_configs)

@@ -85,7 +85,8 @@ def test_train_py_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path):
     repo = Path(CONF_DIR).parent
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "train.py", "max_steps=3", "optim.warmup_steps=30",
-                             f"output_dir={run_dir}", "logger.wandb.mode=disabled"], capture_output=True, text=True, cwd=repo, timeout=120)
+                             f"output_dir={run_dir}", "logger.wandb.mode=disabled"],
+                            capture_output=True, text=True, cwd=repo, timeout=120)
     assert result.returncode == 2
     assert "optim.warmup_steps=30 must be below max_steps=3" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
@@ -116,7 +117,7 @@ def test_kernels_backend_check(monkeypatch):
 # --- issue 15: keys outside the schema, warmup defaults, where mode and rate come from, output_dir ---
 
 @pytest.mark.parametrize("override,message", [
-    ("+foo=1", "unknown setting foo: the nearest is "),
+    ("+optim.warmup=3", "unknown setting optim.warmup: the nearest is optim.warmup_steps"),
     ("+optim.learning_rate=5e-5", "unknown setting optim.learning_rate: the nearest is optim.lr "
                                   "\\(optim has: name, lr, "),
     ("+warmup_steps=5", "unknown setting warmup_steps: the nearest is optim.warmup_steps"),
@@ -203,6 +204,8 @@ def run_train_py(*overrides: str):
 @pytest.mark.parametrize("output_dir,bad,message", [
     ("{tmp}/run", "+foo=1", "unknown setting foo"),
     ("/proc/x", "optim.warmup_steps=1", "output_dir='/proc/x' cannot be created"),
+    ("{tmp}/run", "optim.lr=inf", "optim.lr=inf must be a finite number"),
+    ("{tmp}/run", "seed=-1", "seed=-1 must be within [0, 4294967295]"),
 ])
 def test_a_rejected_run_leaves_no_directory_behind(tmp_path, output_dir, bad, message):
     """Validation, the output_dir check included, runs before anything is written: no run directory, no
@@ -213,3 +216,56 @@ def test_a_rejected_run_leaves_no_directory_behind(tmp_path, output_dir, bad, me
     assert result.returncode == 2 and "Traceback" not in output, output
     assert message in output.strip().splitlines()[-1] and output.count("[ERROR]") == 1, output
     assert not run_dir.exists() and not (Path(CONF_DIR).parent / ".hydra").exists()
+
+
+# --- issue 40: non-finite numbers, seeds, gradient clipping, nearest keys ---
+
+def float_settings() -> list[str]:
+    """Every float setting of the schema (float, Optional[float], List[float]), by its dotted path."""
+    import typing
+    from conf.schema import JobConfig
+    from conf.validate import nested_schema
+
+    def walk(schema, prefix=""):
+        for name, hint in typing.get_type_hints(schema).items():
+            if nested := nested_schema(hint):
+                yield from walk(nested, f"{prefix}{name}.")
+            elif float in (hint, *typing.get_args(hint)):
+                yield prefix + name
+    return list(walk(JobConfig))
+
+
+def test_every_float_setting_is_found():
+    assert {"optim.lr", "optim.betas", "optim.grad_clip", "memory.gpu_memory_gib", "checkpoint.every_minutes",
+            "logger.peak_tflops", "model.rope_theta"} <= set(float_settings())
+
+
+@pytest.mark.parametrize("number", ["nan", "inf", "-inf"])
+def test_every_float_setting_refuses_nan_and_inf(number):
+    for setting in float_settings():
+        value = f"[0.9,{number}]" if setting == "optim.betas" else number
+        with pytest.raises(ConfigError, match=f"^{setting.replace('.', '[.]')}=.*must be a finite number"):
+            validate(make_config(f"{setting}={value}"))
+
+
+@pytest.mark.parametrize("seed", [0, 1234, 2**32 - 1])
+def test_seeds_in_the_documented_range_are_taken(seed):
+    validate(make_config(f"seed={seed}"))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_seeds_outside_the_documented_range_are_one_line(seed):
+    with pytest.raises(ConfigError, match=f"^seed={seed} must be within \\[0, 4294967295\\]$"):
+        validate(make_config(f"seed={seed}"))
+
+
+def test_negative_grad_clip_is_an_error_and_zero_turns_clipping_off():
+    with pytest.raises(ConfigError, match="optim.grad_clip=-1.0 must be >= 0 \\(0 turns clipping off\\)"):
+        validate(make_config("optim.grad_clip=-1"))
+    validate(make_config("optim.grad_clip=0"))
+
+
+@pytest.mark.parametrize("override", ["+foo=1", "+foo.bar=1"])
+def test_a_key_near_no_valid_one_gets_no_nearest(override):
+    with pytest.raises(ConfigError, match="^unknown setting foo \\(the top level has: model, data, optim, "):
+        validate(make_config(override))

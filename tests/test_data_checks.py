@@ -69,9 +69,10 @@ def test_tokenizer_larger_than_the_vocabulary(text_file, tmp_path, checkpoint, t
 
 @pytest.mark.parametrize("content,message", [
     ("", "holds no records: 1 matching file"),
+    ("  \n\n \n", r"holds no records: 1 matching file\(s\), all empty or whitespace only"),
     ('{"body": "x"}\n', r"have no field 'text' \(data.text_field\); fields present: \['body'\]"),
     ("{not json\n", "could not read data.path="),
-    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "record 0, message 0: unknown role 'wizard'"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}\n', "bad.jsonl record 1, message 1: unknown role 'wizard'"),
 ])
 def test_bad_records_fail_before_training(content, message, tmp_path, checkpoint):
     path = tmp_path / "bad.jsonl"

@@ -105,5 +105,5 @@ def test_chat_template_that_rewrites_earlier_turns_needs_loss_on_all(tmp_path):
 
 
 def test_chat_unknown_role_is_named(tokenizer):
-    with pytest.raises(DataError, match="record 7, message 1: unknown role 'wizard'"):
+    with pytest.raises(DataError, match="^record 8, message 2: unknown role 'wizard'"):
         tokenize_chat([CHAT[0], {"role": "wizard", "content": "x"}], tokenizer, "assistant", 2, 3, record=7)

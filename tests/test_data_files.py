@@ -191,3 +191,37 @@ def test_parquet_files_with_different_columns_are_named(tmp_path, checkpoint):
     datasets.Dataset.from_list([{"messages": CHAT, "id": 1}]).to_parquet(str(tmp_path / "b.parquet"))
     with pytest.raises(DataError, match=r"a.parquet: \['text'\]; .*b.parquet: \['id', 'messages'\]"):
         build_data(files_config(tmp_path / "*.parquet", tmp_path), 10, 1, 0, 64, str(checkpoint))
+
+
+# --- issue 40: whitespace-only files, chat errors by file and 1-based record, mostly-padding rows ---
+
+def test_a_file_of_blank_lines_is_skipped_like_an_empty_one(tmp_path, checkpoint):
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "the cat sat"}])
+    (tmp_path / "b.jsonl").write_text("  \n\n\t\n")       # datasets: 'Instruction "train" corresponds to no data'
+    stream = build_data(files_config(tmp_path / "*.jsonl", tmp_path), 8, 1, 0, 64, str(checkpoint))
+    assert stream.stats.documents == 1
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_chat_error_names_the_file_and_its_1_based_record(tmp_path, checkpoint, kind):
+    import datasets
+    bad = [CHAT[0], {"role": "wizard", "content": "x"}]
+    for name, records in (("a", [{"messages": CHAT}] * 2), ("b", [{"messages": CHAT}, {"messages": bad}])):
+        if kind == "jsonl":
+            write_jsonl(tmp_path / f"{name}.jsonl", records)
+        else:
+            datasets.Dataset.from_list(records).to_parquet(str(tmp_path / f"{name}.parquet"))
+    with pytest.raises(DataError, match=f"^{tmp_path / f'b.{kind}'} record 2, message 2: unknown role 'wizard'"):
+        build_data(files_config(tmp_path / f"*.{kind}", tmp_path), 64, 1, 0, 64, str(checkpoint))
+
+
+def test_rows_mostly_padding_are_warned_about_with_the_numbers(tmp_path, checkpoint, caplog):
+    path = write_jsonl(tmp_path / "short.jsonl", [{"text": "the cat sat"}])
+    caplog.set_level("INFO", logger="data.files")
+    build_data(files_config(path, tmp_path), 64, 1, 0, 64, str(checkpoint))
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == ("data: 92.2% of the packed rows is padding (5 tokens fill 1 rows of seq_len=64), so most of "
+                       "each step computes nothing: lower seq_len or add data")
+    caplog.clear()
+    build_data(files_config(path, tmp_path), 8, 1, 0, 64, str(checkpoint))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -164,3 +164,26 @@ def test_a_broken_base_is_one_line_not_a_traceback(pretrained_lora, hf_base, tmp
                           capture_output=True, text=True)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith("export failed:") and "config.json" in done.stderr
+
+
+def test_a_random_init_run_exports_without_a_tokenizer_says_so_in_one_line_and_takes_one(tmp_path):
+    """A run without model.path has no tokenizer to carry over: export says so and how to add one
+    (--tokenizer), and with it pipeline() loads the export."""
+    from transformers import pipeline
+    train(job_config(tmp_path / "run", "train=full", "max_steps=2"))
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step-2")
+
+    def export_command(out: str, *options: str):
+        return subprocess.run([sys.executable, "scripts/export.py", checkpoint, str(tmp_path / out), *options],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    bare = export_command("bare")
+    assert bare.returncode == 0, bare.stderr
+    [note] = [line for line in bare.stdout.splitlines() if "tokenizer" in line]
+    assert note.startswith("no tokenizer written: the run had no model.path") and "--tokenizer <dir" in note
+    save_tokenizer(tmp_path / "tokenizer")
+    done = export_command("hf", "--tokenizer", str(tmp_path / "tokenizer"))
+    assert done.returncode == 0 and "no tokenizer" not in done.stdout, done.stderr
+    generate = pipeline("text-generation", model=str(tmp_path / "hf"), device="cpu")
+    assert generate("the cat", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("the cat")
+    wrong = export_command("wrong", "--tokenizer", str(tmp_path / "run"))
+    assert wrong.returncode == 1 and wrong.stderr.startswith(f"export failed: --tokenizer {tmp_path / 'run'} holds no")

@@ -213,7 +213,7 @@ def test_long_sequences_tune_once_on_a_prefix(monkeypatch):
     monkeypatch.setattr(flash, "_tuned_on_prefix", set())
     assert flash._seq_bucket(9) == 16 and flash._seq_bucket(40) == 16
     q, k, v = (t.detach() for t in _inputs(1, 40, 2, 1, 64, torch.float32))
-    doc_start, doc_end = flash._document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
+    doc_start, doc_end = flash.document_bounds(torch.tensor([0, 10, 30, 40], dtype=torch.int32), 40)
     flash._tune_on_prefix(q, k, v, doc_start, doc_end, True, 0.125, True, "key")
     assert flash._tuned_on_prefix == {"key"}
     monkeypatch.setattr(flash, "triton_interpreting", lambda: False)
@@ -370,8 +370,8 @@ def _torch_attention_in_dtype(q, k, v, causal, cu_seqlens=None):
     return out.transpose(1, 2).reshape(batch, seqlen, q_heads, head_dim)
 
 
-# ‖out - ref‖/‖ref‖ that flash_attention's bf16 output and gradients must stay within: the errors first
-# measured on the H100 (2026-11-22, docs/BENCHMARKS.md; within 1e-5 of them on 2026-11-26), plus 4.5-7%.
+# ‖out - ref‖/‖ref‖ that flash_attention's bf16 output and gradients must stay within: the errors measured on
+# the H100 (docs/PERFORMANCE.md, "Attention"), plus 4.5-7%.
 WHOLE_ROWS_ERRORS = {"out": 2.2e-3, "dq": 2.6e-3, "dk": 2.6e-3, "dv": 2.5e-3}
 PACKED_ERRORS = {"out": 1.7e-3, "dq": 3.0e-3, "dk": 3.0e-3, "dv": 2.3e-3}
 
@@ -501,8 +501,9 @@ def _check_one_pass_backward(monkeypatch, q, k, v, causal, cu_seqlens):
 @gpu
 def test_gpu_compiled_code_is_the_architectures():
     """Hopper: TMA tile moves and wgmma products, the forward and the one-pass backward in warp-specialized
-    Gluon kernels (setmaxnreg hands registers from their load warp to the others). Under TRITON_OVERRIDE_ARCH=sm80 (the process runs
-    the code an A100 compiles): the Triton forward, no TMA, no wgmma, mma.sync products."""
+    Gluon kernels (setmaxnreg hands registers from their load warp to the others). Under
+    TRITON_OVERRIDE_ARCH=sm80 (the process runs the code an A100 compiles): the Triton forward, no TMA, no wgmma,
+    mma.sync products."""
     import kernels.flash_attention as flash
     from kernels import flash_attention_hopper, flash_attention_hopper_backward
     device = torch.cuda.current_device()
@@ -517,7 +518,8 @@ def test_gpu_compiled_code_is_the_architectures():
         torch.autograd.grad(flash_attention(q, k, v, deterministic=deterministic), (q, k, v), torch.randn_like(q))
     ptx = [code for tuned in flash._TUNED.values() for code in compiled(tuned.fn)]
     a100 = os.environ.get("TRITON_OVERRIDE_ARCH") == "sm80"
-    hopper = compiled(flash_attention_hopper._attn_fwd_kernel) + compiled(flash_attention_hopper_backward._attn_bwd_kernel)
+    hopper = (compiled(flash_attention_hopper._attn_fwd_kernel)
+              + compiled(flash_attention_hopper_backward._attn_bwd_kernel))
     if torch.cuda.get_device_capability()[0] == 9 and not a100:
         # dq and dk/dv in Triton (deterministic), the forward and the one-pass backward in Gluon
         assert len(ptx) >= 2 and len(hopper) == 2
@@ -562,7 +564,7 @@ def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqle
     cu_seqlens = _random_cu_seqlens(batch * seqlen, torch.Generator().manual_seed(2)).cuda() if packed else None
     ref = reference.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens=cu_seqlens)
     folded = [flash._fold_batch(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"))] if packed else [q, k, v]
-    bounds = flash._document_bounds(cu_seqlens, batch * seqlen) if packed else (None, None)
+    bounds = flash.document_bounds(cu_seqlens, batch * seqlen) if packed else (None, None)
     flash.ensure_allocator(q.device)
     scale = head_dim ** -0.5
     # NaN in the blocks the caching allocator hands out next: the output's and the statistics' buffers

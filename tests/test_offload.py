@@ -14,7 +14,7 @@ from offload.byte_model import Shape
 from offload.engine import ALIGNMENT, CopyEngine
 from offload.placement import backward_attention_forwards
 from offload.policy import apply_memory_policy
-from offload.store import LayerInputStore, attention_key, input_key
+from offload.store import AttentionPlacement, LayerInputStore, Placement, attention_key, input_key
 from trainer.build import apply_lora
 
 from conftest_kernels import needs_interpreter
@@ -290,7 +290,7 @@ def test_an_embedding_with_a_lora_adapter_is_kept_not_looked_up_again():
     for train in (adapted, LORA):
         planned = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(train)),
                               MemoryConfig(gpu_memory_gib=80, full_layers=0), 64, 1, torch.device("cuda"))
-        assert (planned.placements[0] == "embedding") == (train is LORA), planned.placements
+        assert (planned.placements[0] == Placement.EMBEDDING) == (train is LORA), planned.placements
 
 
 @pytest.mark.parametrize("placements, attention", [(["host", "host"], ["host"]), (["host", "host"], ["host", "disk"]),
@@ -299,6 +299,19 @@ def test_an_embedding_with_a_lora_adapter_is_kept_not_looked_up_again():
 def test_invalid_attention_placements_are_refused(placements, attention):
     with pytest.raises(ValueError, match="attention placement"):
         LayerInputStore(placements, CopyEngine(torch.device("cpu")), attention)
+
+
+def test_placements_given_as_strings_are_taken_as_members():
+    """The store takes placement strings as Placement and AttentionPlacement members, which equal, hash, print and
+    serialize as those strings (plans and messages read as before the enums)."""
+    store = LayerInputStore(["gpu", "host", "recompute", "full"], CopyEngine(torch.device("cpu")),
+                            ["host", "none", "none", "none"])
+    assert store.placements == [Placement.GPU, Placement.HOST, Placement.RECOMPUTE, Placement.FULL]
+    assert {type(p) for p in store.placements} == {Placement}
+    assert {type(a) for a in store.attention} == {AttentionPlacement}
+    assert f"{store.placements} {Placement.GPU} {Placement.HOST:>5}" == "['gpu', 'host', 'recompute', 'full'] gpu  host"
+    assert str(AttentionPlacement.NONE) == "none" and json.dumps(store.attention) == '["host", "none", "none", "none"]'
+    assert {"gpu", "full"} == {Placement.GPU, Placement.FULL}
 
 
 def test_full_layers_under_recomputed_ones_are_valid_where_a_kept_input_separates_them():

@@ -17,8 +17,10 @@ from offload.engine import CopyEngine
 from offload.placement import (FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, backward_attention_forwards,
                                recompute_flops)
 from offload.plan import Ranks, layer_parameters, plan_memory
-from offload.store import LayerInputStore, rebuilds_attention
+from offload.store import AttentionPlacement, LayerInputStore, Placement, rebuilds_attention
 from offload.units import GIB
+
+P, A = Placement, AttentionPlacement       # short names for the plans the tests spell out
 
 LLAMA3_8B = LlamaConfig()
 LORA = SimpleNamespace(mode="lora", lora_r=16, lora_dropout=0.0, lora_target_modules=[
@@ -47,7 +49,7 @@ def test_pinned_buffers_round_to_powers_of_two():
 def test_short_sequences_keep_every_input_on_the_gpu():
     """Every input but layer 0's, the token embedding's output, which its backward looks up again."""
     short = plan(32768, MemoryConfig(full_layers=0))
-    assert short.fits and short.placements == ["embedding"] + ["gpu"] * 31 and short.pinned == 0
+    assert short.fits and short.placements == [P.EMBEDDING] + [P.GPU] * 31 and short.pinned == 0
     assert "layer 0's input looked up again from the embedding" in short.describe()
 
 
@@ -79,7 +81,7 @@ def test_the_top_layer_is_full_where_a_layer_backward_outweighs_the_loss_by_its_
         shape, tiles, kernel = chosen.shape, chosen.mlp_tiles, chosen.attention_kernel
         backward = sum(transient_bytes(shape, LORA, tiles, True, attention_kernel=kernel).values())
         room = backward - loss_bytes(shape)
-        assert chosen.placements[-1] == "full" and full_layer_bytes(shape, LORA, tiles > 1) <= room
+        assert chosen.placements[-1] == P.FULL and full_layer_bytes(shape, LORA, tiles > 1) <= room
         assert top_layer_full_costs_nothing(shape, room, tiles, kernel)
         assert not top_layer_full_costs_nothing(shape, room + 1, tiles, kernel)
         # counted for the GPU's attention, in one process
@@ -87,12 +89,12 @@ def test_the_top_layer_is_full_where_a_layer_backward_outweighs_the_loss_by_its_
         assert not top_layer_full_costs_nothing(shape, room, tiles, kernel, one_process=False)
     short = plan(8192, MemoryConfig(full_layers=0))     # at 8k the loss is the larger transient
     assert not top_layer_full_costs_nothing(short.shape, 0, short.mlp_tiles, short.attention_kernel)
-    assert "full" not in short.placements and "full" not in plan(524288, MemoryConfig(full_layers=0)).placements
+    assert P.FULL not in short.placements and P.FULL not in plan(524288, MemoryConfig(full_layers=0)).placements
 
 
 def test_an_explicit_full_layer_count_takes_the_top_layer_first_and_says_how_many_fit():
     only_top = plan(131072, MemoryConfig(full_layers=1))
-    assert only_top.placements[-1] == "full" and only_top.count("full") == 1 and only_top.top_layer_free
+    assert only_top.placements[-1] == P.FULL and only_top.count(P.FULL) == 1 and only_top.top_layer_free
     assert "the top layer's activations, full, fit in the transient" in only_top.describe()
     with pytest.raises(ConfigError, match=r"memory.full_layers=20: 2 layers can be full here"):
         plan(524288, MemoryConfig(full_layers=20), capacity=H100_MACHINE)   # the top one and one below
@@ -103,7 +105,7 @@ def test_the_top_layer_is_full_at_no_cost_only_in_one_process():
     a full top layer: their plans count it like any other."""
     ranks = Ranks(sequence=2, per_host=2, world=2)
     parallel = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 262144, 1, CUDA, H100_HOST, ranks=ranks)
-    assert not parallel.top_layer_free and parallel.placements[-1] != "full"
+    assert not parallel.top_layer_free and parallel.placements[-1] != P.FULL
     assert plan(262144).top_layer_free
 
 
@@ -117,8 +119,8 @@ def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     full = SimpleNamespace(mode="full", full_state="auto")
     chosen = plan(32768, train=full)
     assert chosen.fits and chosen.full_state == "bf16"
-    assert chosen.placements == ["embedding"] + ["full"] * 4 + ["gpu"] * 26 + ["full"]
-    assert chosen.attention == ["gpu"] + ["none"] * 4 + ["gpu"] * 26 + ["none"]
+    assert chosen.placements == [P.EMBEDDING] + [P.FULL] * 4 + [P.GPU] * 26 + [P.FULL]
+    assert chosen.attention == [A.GPU] + [A.NONE] * 4 + [A.GPU] * 26 + [A.NONE]
     # The fullest moment, recounted here from the layout: the backward of layer k holds what layers 0..k keep
     # and the gradients of layers k..31 (the top layer's activations are its own backward's, counted there);
     # after layer 0's, every layer's gradients and the input embedding's.
@@ -143,7 +145,7 @@ def test_full_fine_tuning_counts_the_gradients_as_the_backward_makes_them():
     # Several micro-batches keep the first one's gradients through the next: all of them count at once.
     accumulated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST, micro_batches=2)
     assert accumulated.gpu["bf16 gradients"] == 2 * parameter_counts(LLAMA3_8B, full)[0]
-    assert FULLEST_MOMENT not in accumulated.gpu and accumulated.count("gpu") < 30
+    assert FULLEST_MOMENT not in accumulated.gpu and accumulated.count(P.GPU) < 30
     assert accumulated.gpu_peak == sum(accumulated.gpu.values()) <= accumulated.capacity.gpu_limit
 
 
@@ -154,12 +156,12 @@ def test_gpu_room_turns_the_bottom_layers_into_full_ones(seq_len, bottom):
     (no recompute, no kept attention output); one more would not fit. At 32k that is every layer; at 64k layer
     0, whose input is looked up again from the embedding, stays checkpointed (it has no GPU input to free)."""
     chosen = plan(seq_len)
-    assert chosen.fits and chosen.count("full") == bottom + 1 and chosen.pinned == 0
+    assert chosen.fits and chosen.count(P.FULL) == bottom + 1 and chosen.pinned == 0
     if bottom == 31:
-        assert chosen.placements == ["full"] * 32 and chosen.attention == ["none"] * 32
+        assert chosen.placements == [P.FULL] * 32 and chosen.attention == [A.NONE] * 32
     else:
-        assert chosen.placements == ["embedding"] + ["full"] * bottom + ["gpu"] * (30 - bottom) + ["full"]
-        assert chosen.attention == ["gpu"] + ["none"] * bottom + ["gpu"] * (30 - bottom) + ["none"]
+        assert chosen.placements == [P.EMBEDDING] + [P.FULL] * bottom + [P.GPU] * (30 - bottom) + [P.FULL]
+        assert chosen.attention == [A.GPU] + [A.NONE] * bottom + [A.GPU] * (30 - bottom) + [A.NONE]
     assert chosen.gpu["full layers' activations"] == bottom * full_layer_bytes(chosen.shape, LORA, mlp_tiled=True)
     assert f"full layers={bottom + 1}" in chosen.describe()
     if bottom < 31:
@@ -175,7 +177,7 @@ def test_only_the_top_layer_is_full_where_the_gpu_has_no_room(seq_len, train):
     no more than one without full layers, recomputing less."""
     chosen, top = plan(seq_len, train=train), plan(seq_len, MemoryConfig(full_layers=1), train=train)
     without = plan(seq_len, MemoryConfig(full_layers=0), train=train)
-    assert chosen.count("full") == 1 and chosen.placements[-1] == "full" and "full" not in without.placements
+    assert chosen.count(P.FULL) == 1 and chosen.placements[-1] == P.FULL and P.FULL not in without.placements
     assert (chosen.placements, chosen.attention, chosen.gpu, chosen.host) == \
         (top.placements, top.attention, top.gpu, top.host)
     assert chosen.fits and chosen.pinned <= without.pinned
@@ -192,7 +194,7 @@ def test_without_checkpointing_every_layer_is_a_full_one(seq_len, held):
     full; at 64k it does not fit."""
     plain, checkpointed = plan(seq_len, MemoryConfig(checkpoint=False)), plan(seq_len)
     assert plain.placements is None and plain.fits and plain.gpu_peak == checkpointed.gpu_peak
-    assert checkpointed.placements == ["full"] * 32
+    assert checkpointed.placements == [P.FULL] * 32
     full = full_layer_bytes(plain.shape, LORA, mlp_tiled=plain.mlp_tiles > 1)
     assert plain.gpu.pop("all layers' activations") == held * full
     assert not plan(65536, MemoryConfig(checkpoint=False)).fits
@@ -202,10 +204,10 @@ def test_without_checkpointing_every_layer_is_a_full_one(seq_len, held):
 
 def test_an_explicit_full_layer_count_is_obeyed_gpu_inputs_first_then_host_ones():
     three = plan(65536, MemoryConfig(full_layers=3))      # the top one first: it costs nothing
-    assert three.fits and three.placements == ["embedding"] + ["full"] * 2 + ["gpu"] * 28 + ["full"]
+    assert three.fits and three.placements == [P.EMBEDDING] + [P.FULL] * 2 + [P.GPU] * 28 + [P.FULL]
     mixed = plan(32768, MemoryConfig(gpu_layers=2, full_layers=5))
-    assert mixed.placements[:4] == ["full"] * 4 and mixed.placements[-1] == "full"
-    assert mixed.count("gpu") == 0 and mixed.count("host") == 27
+    assert mixed.placements[:4] == [P.FULL] * 4 and mixed.placements[-1] == P.FULL
+    assert mixed.count(P.GPU) == 0 and mixed.count(P.HOST) == 27
     forced = plan(65536, MemoryConfig(full_layers=32))
     assert not forced.fits and "memory.full_layers=null" in forced.failure()
 
@@ -218,28 +220,28 @@ def test_no_full_layer_below_a_recomputed_input():
     assert 0 < most < 32
     chosen = plan(524288, MemoryConfig(full_layers=most))
     placements = chosen.placements
-    assert chosen.count("full") > 0 and not chosen.fits
-    assert all(placements[i - 1] in ("gpu", "host") for i, p in enumerate(placements) if p == "recompute")
+    assert chosen.count(P.FULL) > 0 and not chosen.fits
+    assert all(placements[i - 1] in (P.GPU, P.HOST) for i, p in enumerate(placements) if p == P.RECOMPUTE)
 
 
 @pytest.mark.parametrize("seq_len", [262144, 524288])
 def test_long_sequences_offload_and_fit_the_h100(seq_len):
     long = plan(seq_len)
-    assert long.fits and long.count("host") > 0
-    assert long.placements[:long.count("gpu") + 1] == ["embedding"] + ["gpu"] * long.count("gpu")
+    assert long.fits and long.count(P.HOST) > 0
+    assert long.placements[:long.count(P.GPU) + 1] == [P.EMBEDDING] + [P.GPU] * long.count(P.GPU)
     assert long.mlp_tiles == seq_len // 16384
 
 
 def test_524k_recomputes_what_the_host_cannot_hold():
     long = plan(524288, capacity=H100_MACHINE)
     placements = long.placements
-    assert placements.count("recompute") > 0
-    assert all(placements[i - 1] != "recompute" for i, p in enumerate(placements) if p == "recompute")
-    assert placements[0] != "recompute"
+    assert placements.count(P.RECOMPUTE) > 0
+    assert all(placements[i - 1] != P.RECOMPUTE for i, p in enumerate(placements) if p == P.RECOMPUTE)
+    assert placements[0] != P.RECOMPUTE
     # The layers below rebuild the recomputed inputs and keep that forward's attention (its output in their
     # own input's host buffer, its lse on the GPU): no more host room, one lse on the GPU.
     assert all(rebuilds_attention(placements, long.attention, i - 1) for i, p in enumerate(placements)
-               if p == "recompute")
+               if p == P.RECOMPUTE)
     assert set(long.host) == {"process baseline", "pinned layer inputs", "pinned attention outputs"}
     assert long.gpu["rebuilt attention lse"] == 524288 * 32 * 4
     assert "rebuilt attention lse" not in plan(131072, capacity=H100_MACHINE).gpu
@@ -247,10 +249,10 @@ def test_524k_recomputes_what_the_host_cannot_hold():
 
 def test_131k_keeps_every_attention_output_top_layers_on_the_gpu():
     long = plan(131072)
-    assert long.fits and long.placements == ["embedding"] + ["gpu"] * 30 + ["full"]
-    gpu_kept, host_kept = long.kept_attention("gpu"), long.kept_attention("host")
+    assert long.fits and long.placements == [P.EMBEDDING] + [P.GPU] * 30 + [P.FULL]
+    gpu_kept, host_kept = long.kept_attention(A.GPU), long.kept_attention(A.HOST)
     assert gpu_kept > 0 and host_kept > 0 and gpu_kept + host_kept == 31
-    assert long.attention == ["host"] * host_kept + ["gpu"] * gpu_kept + ["none"]    # the backward's first on the GPU
+    assert long.attention == [A.HOST] * host_kept + [A.GPU] * gpu_kept + [A.NONE]    # the backward's first on the GPU
     output, lse = 131072 * 4096 * 2, 131072 * 32 * 4
     assert long.gpu["attention outputs on GPU"] == gpu_kept * (output + lse)
     assert long.host["pinned attention outputs"] == host_kept * (output + lse)
@@ -264,7 +266,7 @@ def test_a_copy_back_slot_counts_where_the_layers_above_have_freed_less():
     backward (the full top layer above it copies nothing ahead), the next one's during that backward, when
     nothing has been freed yet, so the slot counts there."""
     long = plan(262144, capacity=H100_MACHINE)
-    assert long.attention[-3:] == ["host", "host", "none"] and long.kept_attention("gpu") == 0
+    assert long.attention[-3:] == [A.HOST, A.HOST, A.NONE] and long.kept_attention(A.GPU) == 0
     assert long.gpu[PREFETCH_SLOT] == long.shape.attention_bytes
     assert "the slot the next kept attention output is copied back into" in long.describe()
 
@@ -275,8 +277,8 @@ def test_a_gpu_slot_is_freed_for_prefetching_attention_outputs_when_inputs_fill_
     full = SimpleNamespace(mode="full", full_state="auto")
     without = plan(131072, MemoryConfig(kept_attention_layers=0), train=full)
     kept = plan(131072, train=full)
-    assert kept.fits and kept.kept_attention("host") == 31       # every checkpointed layer's (the top is full)
-    assert kept.count("gpu") < without.count("gpu") and kept.count("recompute") == without.count("recompute") == 0
+    assert kept.fits and kept.kept_attention(A.HOST) == 31       # every checkpointed layer's (the top is full)
+    assert kept.count(P.GPU) < without.count(P.GPU) and kept.count(P.RECOMPUTE) == without.count(P.RECOMPUTE) == 0
 
 
 def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_would_go():
@@ -287,12 +289,12 @@ def test_524k_recomputes_more_inputs_to_keep_their_attention_outputs_where_they_
     without = plan(524288, MemoryConfig(kept_attention_layers=0), capacity=H100_MACHINE)
     long = plan(524288, capacity=H100_MACHINE)
     assert long.fits and PREFETCH_SLOT not in long.gpu
-    assert long.count("recompute") > without.count("recompute") > 0
-    kept = [i for i, output in enumerate(long.attention) if output != "none"]
-    assert kept and all(long.placements[i] == "recompute" for i in kept)
+    assert long.count(P.RECOMPUTE) > without.count(P.RECOMPUTE) > 0
+    kept = [i for i, output in enumerate(long.attention) if output != A.NONE]
+    assert kept and all(long.placements[i] == P.RECOMPUTE for i in kept)
     # the GPU room of the inputs it moved to the host keeps outputs instead
-    assert long.count("gpu") == 0 < without.count("gpu") and long.kept_attention("gpu") > 0
-    assert long.kept_attention("host") > 0
+    assert long.count(P.GPU) == 0 < without.count(P.GPU) and long.kept_attention(A.GPU) > 0
+    assert long.kept_attention(A.HOST) > 0
     forwards = lambda p: backward_attention_forwards(p.shape, p.placements, p.attention)
     assert forwards(long) == forwards(without) - len(kept) and forwards(without) == 31     # one per checkpointed layer
     assert recompute_flops(long.shape, long.placements, long.attention) < recompute_flops(
@@ -303,8 +305,8 @@ def test_an_explicit_gpu_layer_count_holds_past_the_hosts_room():
     """memory.gpu_layers=3 keeps layers 1 and 2's inputs on the GPU (layer 0's is looked up again) even where
     moving them to the host would keep more attention outputs."""
     chosen = plan(524288, MemoryConfig(gpu_layers=3), capacity=H100_MACHINE)
-    assert chosen.fits and chosen.placements[:3] == ["embedding", "gpu", "gpu"] and chosen.count("gpu") == 2
-    assert plan(524288, capacity=H100_MACHINE).count("gpu") == 0           # what the planner chooses alone
+    assert chosen.fits and chosen.placements[:3] == [P.EMBEDDING, P.GPU, P.GPU] and chosen.count(P.GPU) == 2
+    assert plan(524288, capacity=H100_MACHINE).count(P.GPU) == 0           # what the planner chooses alone
 
 
 def test_short_rows_recompute_no_input_for_an_attention_output():
@@ -313,14 +315,14 @@ def test_short_rows_recompute_no_input_for_an_attention_output():
     small = Capacity(gpu=24 * GIB, host=8 * GIB, pinnable=2 * GIB)
     short = plan(16384, MemoryConfig(full_layers=0), capacity=small)
     fewest = plan(16384, MemoryConfig(full_layers=0, kept_attention_layers=0), capacity=small)
-    assert short.fits and short.count("recompute") == fewest.count("recompute") > 0
-    assert short.attention == ["none"] * 32
+    assert short.fits and short.count(P.RECOMPUTE) == fewest.count(P.RECOMPUTE) > 0
+    assert short.attention == [A.NONE] * 32
 
 
 def test_kept_attention_layers_is_obeyed():
-    assert plan(65536, MemoryConfig(kept_attention_layers=0)).attention == ["none"] * 32
+    assert plan(65536, MemoryConfig(kept_attention_layers=0)).attention == [A.NONE] * 32
     five = plan(65536, MemoryConfig(kept_attention_layers=5, full_layers=0))
-    assert five.attention == ["none"] * 27 + ["gpu"] * 5
+    assert five.attention == [A.NONE] * 27 + [A.GPU] * 5
     forced = plan(524288, MemoryConfig(kept_attention_layers=32))
     assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
 
@@ -332,7 +334,7 @@ def test_an_explicit_kept_attention_count_gets_the_gpu_prefetch_slot_too(count):
     prefetch slot just the same, not fail."""
     kept = plan(131072, MemoryConfig(kept_attention_layers=count), train=SimpleNamespace(mode="full",
                                                                                           full_state="auto"))
-    assert kept.fits and kept.kept_attention("host") == min(count, 31)
+    assert kept.fits and kept.kept_attention(A.HOST) == min(count, 31)
 
 
 @pytest.mark.parametrize("device, capacity, seq_len", [
@@ -343,7 +345,7 @@ def test_explicit_kept_attention_beyond_the_device_room_fails_without_offload(de
     """With nowhere to offload to, an explicit count the device cannot hold fails with advice, as
     gpu_layers does; it is never silently lowered."""
     chosen = plan_memory(LLAMA3_8B, LORA, MemoryConfig(offload=False), seq_len, 1, device, capacity)
-    assert chosen.fits and 0 < chosen.kept_attention("gpu") < 32
+    assert chosen.fits and 0 < chosen.kept_attention(A.GPU) < 32
     forced = plan_memory(LLAMA3_8B, LORA, MemoryConfig(kept_attention_layers=32, offload=False), seq_len, 1,
                          device, capacity)
     assert not forced.fits and "memory.kept_attention_layers=null" in forced.failure()
@@ -355,6 +357,17 @@ def test_forced_settings_that_do_not_fit_come_with_numbers_and_advice():
     message = failing.failure()
     assert "GPU peak" in message and "of 72" in message and "memory.offload=true" in message
     assert "seq_len=" in message
+
+
+def test_a_plan_prints_its_placements_as_their_strings():
+    """Placements are members of offload.store's Placement and AttentionPlacement, which print as their strings:
+    the 524k plan's description and placement lists read as when they were plain strings."""
+    long = plan(524288, capacity=H100_MACHINE)
+    assert long.describe().splitlines()[0] == (
+        "memory plan: checkpointing on, layer inputs gpu=0 host=15 recomputed=15, full layers=1, attention outputs "
+        "kept gpu=2 host=8, mlp_tiles=32, attention kernel flash, layer 0's input looked up again from the embedding")
+    assert repr(long.placements) == repr(["embedding"] + ["host", "recompute"] * 15 + ["full"])
+    assert str(long.attention) == str(["none"] * 12 + ["gpu", "none"] * 2 + ["host", "none"] * 8)
 
 
 def test_small_host_is_reported():
@@ -384,6 +397,7 @@ def test_plan_script_without_a_gpu_plans_for_a_default_preset_as_the_readme_says
     assert result.returncode == 0, result.stderr
     assert "no CUDA GPU is visible: planning for memory.gpu=h100_80gb (79.2 GiB)" in result.stdout
     assert "host of 125 GiB" in result.stdout and "GPU peak" in result.stdout
+    assert "layer inputs:      e" + " h r" * 15 + " f (g=gpu h=host r=recomputed f=full" in result.stdout
 
 
 @pytest.mark.parametrize("overrides, usable", [
@@ -407,7 +421,7 @@ def test_cudnn_attention_is_planned_with_its_backward_workspace():
     workspace = cudnn_attention.backward_workspace_bytes(131072, 32, 8, 128)
     assert workspace == 4 * GIB
     assert cudnn.gpu["attention stats+workspace"] == flash.gpu["attention statistics"] + workspace
-    assert cudnn.kept_attention("gpu") < flash.kept_attention("gpu")
+    assert cudnn.kept_attention(A.GPU) < flash.kept_attention(A.GPU)
     assert "attention kernel cudnn" in cudnn.describe()
 
 
@@ -491,7 +505,7 @@ def test_with_every_input_offloaded_every_other_layer_can_be_recomputed():
     """Every other checkpointed layer from the top can be rebuilt from the host copy of the one below: 15 of
     the 31 below the full top layer, as with inputs on the GPU."""
     placements = plan(524288, MemoryConfig(gpu_layers=0, recomputed_inputs=32)).placements
-    assert placements.count("recompute") == 15 and placements.count("gpu") == 0 and placements[-1] == "full"
+    assert placements.count(P.RECOMPUTE) == 15 and placements.count(P.GPU) == 0 and placements[-1] == P.FULL
     LayerInputStore(placements, CopyEngine(torch.device("cpu")))       # a valid layout
 
 
@@ -539,10 +553,10 @@ def test_no_attention_output_or_full_layer_where_the_reference_attention_runs():
                                                  "memory.gpu_memory_gib=79.2", "memory.host_memory_gib=125"])
         forced = compose("config", overrides=["seq_len=256", "memory.kept_attention_layers=2"])
         forced_full = compose("config", overrides=["seq_len=256", "memory.full_layers=2"])
-    assert plan_for(on_cpu, torch.device("cpu")).attention == ["none"] * 32
-    assert plan_for(reference, CUDA).attention == ["none"] * 32
+    assert plan_for(on_cpu, torch.device("cpu")).attention == [A.NONE] * 32
+    assert plan_for(reference, CUDA).attention == [A.NONE] * 32
     # nor full layers: the byte model counts the Triton attention's saved tensors
-    assert plan_for(on_cpu, torch.device("cpu")).count("full") == plan_for(reference, CUDA).count("full") == 0
+    assert plan_for(on_cpu, torch.device("cpu")).count(P.FULL) == plan_for(reference, CUDA).count(P.FULL) == 0
     with pytest.raises(ConfigError, match="memory.kept_attention_layers=2 needs the Triton attention"):
         plan_for(forced, torch.device("cpu"))
     with pytest.raises(ConfigError, match="memory.full_layers=2 needs the Triton attention"):

@@ -1,5 +1,6 @@
 """scripts/recall_curve.py: the fast-path-against-reference recall job, at a tiny scale on CPU (both runs,
-the PNG, the summary), and the settings it uses at 32k tokens on a GPU (recall_100m, recall_recipe)."""
+the PNG, the summary), and the settings it uses at 32k tokens on a GPU (recall_100m, scripts/recall/job.py's
+recall_recipe)."""
 import json
 import os
 import struct
@@ -14,7 +15,7 @@ from conf.schema.data import check_recall
 from conf.schema.optim import resolve_optim
 from model.config import LlamaConfig
 from offload.byte_model import parameter_counts
-from scripts import recall_curve
+from scripts.recall import job, results
 from trainer.step import MAX_ACCURACY_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ STEPS = 6
 
 def recall_100m_at_32k():
     register_configs()
-    overrides = recall_curve.recall_recipe(32768)
+    overrides = job.recall_recipe(32768)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=["model=recall_100m", "seq_len=32768", "max_steps=300", *overrides])
 
@@ -55,7 +56,7 @@ def test_script_runs_both_paths_and_draws_one_png(tmp_path):
     assert summary["concurrent"] and "the two runs ran at once" in done.stdout
     # Both runs start from the warm start's model, trained at its own length and exported.
     assert summary["warm_start"]["steps"] == 2 and summary["warm_start"]["exit"] == 0
-    model_dir = root / recall_curve.WARM_START_MODEL
+    model_dir = root / job.WARM_START_MODEL
     for name in ("fast", "reference"):
         assert f"loaded tiny from {model_dir}" in (root / name / "train.log").read_text()
 
@@ -98,26 +99,26 @@ def test_a_warm_start_on_another_task_or_over_a_given_model_is_refused(tmp_path)
 
 
 def test_fast_settings_force_offload_and_kept_attention_on_a_gpu():
-    kernels, memory = recall_curve.fast_settings(12, on_cuda=True, head_dim=64, kernels=None)
+    kernels, memory = job.fast_settings(12, on_cuda=True, head_dim=64, kernels=None)
     assert kernels == "triton"
     assert memory == ["memory.gpu_layers=6", "memory.offload=true", "memory.full_layers=2",
                       "memory.kept_attention_layers=null"]
     # Without the Triton attention the trainer refuses kept attention outputs and full layers.
-    assert recall_curve.fast_settings(2, on_cuda=False, head_dim=16, kernels=None) == (
+    assert job.fast_settings(2, on_cuda=False, head_dim=16, kernels=None) == (
         "auto", ["memory.gpu_layers=1", "memory.offload=true", "memory.full_layers=0",
                  "memory.kept_attention_layers=0"])
-    assert recall_curve.fast_settings(2, on_cuda=True, head_dim=16, kernels=None)[0] == "auto"
+    assert job.fast_settings(2, on_cuda=True, head_dim=16, kernels=None)[0] == "auto"
     # Two layers (recall_100m): one input on the GPU, one offloaded, both attention outputs kept.
-    assert recall_curve.fast_settings(2, on_cuda=True, head_dim=128, kernels=None) == (
+    assert job.fast_settings(2, on_cuda=True, head_dim=128, kernels=None) == (
         "triton", ["memory.gpu_layers=1", "memory.offload=true", "memory.full_layers=0",
                    "memory.kept_attention_layers=null"])
-    assert recall_curve.recall_recipe(512) == []
+    assert job.recall_recipe(512) == []
 
 
 def test_long_runs_start_from_a_short_warm_start_unless_told_otherwise():
-    assert recall_curve.warm_start_steps(32768, None) == recall_curve.WARM_START_STEPS > 0
-    assert recall_curve.warm_start_steps(4096, None) == 0
-    assert recall_curve.warm_start_steps(32768, 0) == 0 and recall_curve.warm_start_steps(4096, 7) == 7
+    assert job.warm_start_steps(32768, None) == job.WARM_START_STEPS > 0
+    assert job.warm_start_steps(4096, None) == 0
+    assert job.warm_start_steps(32768, 0) == 0 and job.warm_start_steps(4096, 7) == 7
 
 
 def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_at_32k():
@@ -131,7 +132,7 @@ def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_
     check_recall(cfg.data, cfg.seq_len, arch.vocab_size)      # raises when the task does not fit
     supervised = cfg.data.num_pairs * (cfg.data.repeats - 1) + cfg.data.num_queries
     assert supervised * cfg.batch_size <= MAX_ACCURACY_TOKENS      # the trainer logs accuracy
-    assert cfg.data.repeats == 32768 // recall_curve.RECALL_SPACING and cfg.optim.grad_accum_steps == 2
+    assert cfg.data.repeats == 32768 // job.RECALL_SPACING and cfg.optim.grad_accum_steps == 2
     resolve_optim(cfg)
     assert cfg.optim.lr >= 1e-4         # a from-scratch rate, not the fine-tuning one
 
@@ -140,8 +141,8 @@ def test_the_gpu_named_in_a_run_log_titles_the_figure(tmp_path):
     log = tmp_path / "fast.log"
     log.write_text("  model        recall_100m (random init), train.mode=full, device=cuda:0, kernels=triton, "
                    "gpu=NVIDIA H100 80GB HBM3\n")
-    facts = recall_curve.run_facts({"exit": 0, "wall_s": 1.0, "records": [], "log": str(log),
+    facts = results.run_facts({"exit": 0, "wall_s": 1.0, "records": [], "log": str(log),
                                     "run_dir": str(tmp_path / "fast")})
     assert facts["device"] == "cuda" and facts["kernels"] == "triton" and facts["gpu"] == "NVIDIA H100 80GB HBM3"
-    assert recall_curve.device_name({"fast": facts}) == "NVIDIA H100 80GB HBM3"
-    assert recall_curve.device_name({"fast": {"device": "cpu"}}) == "CPU"
+    assert results.device_name({"fast": facts}) == "NVIDIA H100 80GB HBM3"
+    assert results.device_name({"fast": {"device": "cpu"}}) == "CPU"

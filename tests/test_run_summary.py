@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import pytest
 
 from scripts.report import figures
-from tests.jobs_support import job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
+from trainer.console import shown_path
 from trainer.loop import train
 
 
@@ -19,8 +23,26 @@ def test_a_finished_run_prints_one_summary_with_the_plot_and_export_commands(tmp
     assert summary.startswith("finished at step 3/3 (3 steps in this start): ")
     assert f"loss {final['loss']:.4f}, accuracy {final['accuracy']:.3f}, " in summary
     assert "tokens/s" in summary and f"checkpoints in {tmp_path / 'checkpoints'} (newest step-3)" in summary
-    assert f"\n  plot:    python scripts/report.py {tmp_path}\n" in summary
-    assert summary.endswith(f"\n  export:  python scripts/export.py {tmp_path / 'checkpoints' / 'step-3'} <out dir>")
+    python = shown_path(sys.executable)
+    assert f"\n  plot:    {python} {shown_path(REPO / 'scripts' / 'report.py')} {tmp_path}\n" in summary
+    assert summary.endswith(f"\n  export:  {python} {shown_path(REPO / 'scripts' / 'export.py')} "
+                            f"{tmp_path / 'checkpoints' / 'step-3'} <out dir>")
+
+
+def test_the_printed_commands_run_as_printed_without_the_virtualenv_on_path(tmp_path, caplog):
+    """The summary's plot and export commands name the interpreter that has the project's packages (a bare
+    `python` on a fresh machine has no hydra or matplotlib), run from where the job was started."""
+    caplog.set_level(logging.INFO, logger="trainer.console")
+    run_dir = tmp_path / "run"
+    train(job_config(run_dir, "max_steps=2"))
+    [summary] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished")]
+    commands = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in summary.splitlines()[1:]}
+    commands["export"] = commands["export"].replace("<out dir>", str(tmp_path / "exported"))
+    for name, command in commands.items():
+        result = subprocess.run(command, shell=True, cwd=os.getcwd(), capture_output=True, text=True, timeout=120,
+                                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, (name, command, result.stderr[-2000:])
+    assert (run_dir / "report_loss.png").is_file() and (tmp_path / "exported" / "config.json").is_file()
 
 
 def test_a_resumed_run_counts_only_its_own_steps(tmp_path, caplog):
@@ -60,3 +82,27 @@ def test_report_draws_accuracy_when_logged_titles_the_run_and_leaves_out_zero_se
     assert series["report_memory.png"] == {"host_rss_gib": [1.5, 1.5, 1.5]}     # pinned 0 throughout: left out
     if accuracy:                                                              # zero is a result here
         assert series["report_accuracy.png"] == {"accuracy": accuracy}
+
+
+def test_a_resumed_random_init_run_says_resumed_instead_of_warning_of_random_weights(tmp_path, caplog):
+    train(job_config(tmp_path, "max_steps=2"))
+    assert "RANDOM weights" in caplog.text
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="trainer.build")
+    train(job_config(tmp_path, "max_steps=3"))
+    assert "RANDOM" not in caplog.text
+    assert "tiny is built from random init, then resumed from the checkpoint's weights" in caplog.text
+
+
+def test_step_lines_without_a_terminal_carry_elapsed_time_and_eta(monkeypatch, caplog):
+    """A batch job's log (no TTY, so no progress bar) says how long the run has taken and has left."""
+    import trainer.console as console
+    clock = iter([1000.0, 1090.0])      # the bar starts, then 90 s later step 13 of 40 (3 done since step 10)
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    bar = console.ProgressBar(first_step=10, max_steps=40, enabled=True)
+    record = {"step": 13, "applied": True, "loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tokens_per_s": 10.0,
+              "host_rss_gib": 1.0}
+    caplog.set_level(logging.INFO, logger="trainer.console")
+    bar.write(bar.step_line(record))
+    assert caplog.records[-1].getMessage().endswith(" elapsed 01:30 eta 13:30")     # 27 steps at 30 s
+    bar.close()

@@ -19,6 +19,7 @@ from offload.plan import MemoryPlan, Ranks, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
 from trainer.checkpoint_format import BASE_MODEL_DIR
+from trainer.console import script_command
 
 log = logging.getLogger(__name__)
 ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -87,13 +88,13 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
     settings += [f"parallel.sequence={cfg.parallel.sequence}"] * (cfg.parallel.sequence != 1)
     settings += [f"model.path={cfg.model.path}"] * bool(cfg.model.path)
     if plan.gpu["weights"] > plan.capacity.gpu_limit > 0:     # no memory.* setting can help
-        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host can give "
-                   f"({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
+        failure = (f"it does not fit: the weights alone ({plan.gpu['weights'] / GIB:.2f} GiB) exceed what this host "
+                   f"can give ({plan.capacity.gpu_limit / GIB:.2f} GiB):\n" + plan.describe())
     else:
         failure = plan.failure()
     return (f"{why}, so this job would train on the CPU with the host's memory as the device's, and "
-            + failure + f"\nto plan it for a GPU: python scripts/plan.py {' '.join(settings)} "
-            f"memory.gpu={PLANNING_GPU} (or {' | '.join(p for p in GPU_PRESETS if p != PLANNING_GPU)})")
+            + failure + f"\nto plan it for a GPU: {script_command('plan.py', *settings, f'memory.gpu={PLANNING_GPU}')} "
+            f"(or {' | '.join(p for p in GPU_PRESETS if p != PLANNING_GPU)})")
 
 
 @dataclass
@@ -115,9 +116,10 @@ def checked_plan(cfg, device: torch.device, per_host: int = 1, capacity: Capacit
     return plan
 
 
-def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
+def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = False) -> Built:
     """The model of a validated `cfg` with its memory policy installed, as `plan` (checked_plan) says, and
-    the ops dispatched to the attention kernel the plan was made for."""
+    the ops dispatched to the attention kernel the plan was made for. `resumed`: a checkpoint's weights
+    replace the initial ones (so a random init is no news)."""
     log.info("%s", plan.describe())
     kernels.set_backend(cfg.kernels, plan.attention_kernel, cfg.deterministic)
     dtype = plan.weights_dtype
@@ -125,8 +127,12 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan) -> Built:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
     else:
-        log.warning("model.path is not set: %s starts from RANDOM weights (fine for benchmarks and the demo; "
-                    "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
+        if resumed:
+            log.info("model.path is not set: %s is built from random init, then resumed from the checkpoint's "
+                     "weights", cfg.model.name)
+        else:
+            log.warning("model.path is not set: %s starts from RANDOM weights (fine for benchmarks and the demo; "
+                        "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
         model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
@@ -175,7 +181,7 @@ def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.n
 def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:
     """Stop peft casting each adapter's input to the fp32 adapter dtype. Under bf16 autocast the adapter
     matmuls run in bf16 anyway, so the cast only added a bf16->fp32->bf16 round trip over every projection's
-    input, forward and backward (9% of a 32k-token step on the H100); the result is unchanged."""
+    input, forward and backward (c729dfe:docs/BENCHMARKS.md, "Training (issue 5)"); the result is unchanged."""
     for module in model.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False

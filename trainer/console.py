@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -15,6 +18,21 @@ log = logging.getLogger(__name__)
 
 
 RUN_LOG = "train.log"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_command(script: str, *arguments: str) -> str:
+    """The command line that runs scripts/<script> as printed: with this interpreter (the virtualenv's, which
+    has the project's packages; a bare `python` may lack them), each path relative to the working directory
+    when under it."""
+    return shlex.join([shown_path(sys.executable), shown_path(SCRIPTS / script), *map(str, arguments)])
+
+
+def shown_path(path) -> str:
+    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute)
+    return absolute if relative.startswith("..") else relative
 
 
 @contextlib.contextmanager
@@ -85,11 +103,21 @@ def step_line(record: dict, max_steps: int) -> str:
 
 
 class ProgressBar:
-    """tqdm bar with ETA, tokens/s, loss and memory; silent unless stderr is a terminal."""
+    """tqdm bar with ETA, tokens/s, loss and memory; silent unless stderr is a terminal. Its step lines carry
+    the elapsed time and ETA too, for logs without a terminal (batch jobs, train.log)."""
 
     def __init__(self, first_step: int, max_steps: int, enabled: bool):
         self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True,
                         disable=not (enabled and sys.stderr.isatty()))
+        self.first_step, self.max_steps, self.started = first_step, max_steps, time.monotonic()
+
+    def step_line(self, record: dict) -> str:
+        """step_line, with the time since this start and the time left at this start's pace."""
+        elapsed = time.monotonic() - self.started
+        done = record["step"] - self.first_step
+        left = elapsed / done * (self.max_steps - record["step"]) if done > 0 else None
+        eta = "?" if left is None else tqdm.format_interval(left)
+        return f"{step_line(record, self.max_steps)} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
 
     def update(self, record: dict) -> None:
         loss = "nan" if record.get("loss") is None else f"{record['loss']:.4f}"
@@ -121,9 +149,9 @@ def end_summary(run_dir: Path, first_step: int, max_steps: int, checkpoint: Path
     if steps:
         text += f": {final_values(steps)}"
     text += f"; checkpoints in {checkpoint.parent} (newest {checkpoint.name})" if checkpoint else "; no checkpoint"
-    text += f"\n  plot:    python scripts/report.py {run_dir}"
+    text += f"\n  plot:    {script_command('report.py', run_dir)}"
     if checkpoint:
-        text += f"\n  export:  python scripts/export.py {checkpoint} <out dir>"
+        text += f"\n  export:  {script_command('export.py', checkpoint)} <out dir>"
     log.info(text)
 
 

@@ -26,11 +26,11 @@ from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
+from trainer.allocator import cap_gpu_memory, gpu_cap_note
 from trainer.build import Built, build_model, checked_plan, count_parameters
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
-from trainer.console import (ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary,
-                             step_line)
+from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.disk_space import save_hf_model_if_room
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.evaluate import build_evaluator, eval_line, evaluate_at_start
@@ -68,9 +68,10 @@ def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
         save_hf_model_if_room(full_weights(model), model.config.to_hf_dict(), base_dir)
 
 
-def planned_memory(plan: MemoryPlan) -> str:
+def planned_memory(plan: MemoryPlan, device: torch.device) -> str:
     return (f"{plan.device_label} peak {plan.gpu_peak / GIB:.2f} of {plan.capacity.gpu_limit / GIB:.2f} GiB usable, "
-            f"host peak {plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)")
+            f"host peak {plan.host_peak / GIB:.2f} GiB, pinned {plan.pinned / GIB:.2f} GiB (details above)"
+            + gpu_cap_note(plan.capacity.gpu, device))
 
 
 def add_memory_engine_sources(metrics_log: MetricsLog, built: Built, device: torch.device) -> None:
@@ -100,6 +101,7 @@ def train(cfg) -> dict:
         seed_everything(cfg.seed)
         # A job that cannot fit stops before writing anything.
         plan = checked_plan(cfg, device, capacity=agreed_capacity(cfg, device, world))
+        cap_gpu_memory(plan.capacity.gpu, device)      # a plan for a smaller GPU than this one: hold it to that
         # One run directory for all ranks: the default output_dir is resolved from each process's clock.
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
@@ -124,7 +126,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
 
-    built = build_model(cfg, device, plan)
+    built = build_model(cfg, device, plan, resumed=loaded is not None)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
     if cfg.parallel.shard and world.distributed:
@@ -161,7 +163,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
-        "memory plan": planned_memory(built.plan),
+        "memory plan": planned_memory(built.plan, device),
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
     if loaded:
@@ -207,7 +209,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
                         bar.write(eval_line(step, evaluation))
                     bar.update(record)
                     if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
-                        bar.write(step_line(record, cfg.max_steps))
+                        bar.write(bar.step_line(record))
                 guard.stop_if_exhausted(step, last_checkpoint)
                 # Decided together, read once: a signal to any rank stops all after this same step; one
                 # arriving later is served after the next step.

@@ -50,7 +50,7 @@ def supervised_correct(model: torch.nn.Module, hidden: torch.Tensor, labels: tor
 
 
 def clip_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
-    """Clip to global L2 norm `grad_clip` (<= 0: no clipping); returns the norm before clipping. An
+    """Clip to global L2 norm `grad_clip` (0: no clipping); returns the norm before clipping. An
     optimizer that gathers gradients itself during the backward (StreamedAdamW) computes it."""
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     if hasattr(optimizer, "clip_grad_norm_"):

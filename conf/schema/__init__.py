@@ -24,6 +24,7 @@ class JobConfig:
     train: TrainConfig = MISSING
     seq_len: int = 8192
     batch_size: int = 1
+    # Seeds python, numpy, torch and the data order: an integer in [0, 2**32 - 1] (numpy's range).
     seed: int = 0
     max_steps: int = 1000
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
@@ -31,7 +32,7 @@ class JobConfig:
     kernels: str = "auto"       # conf.schema.job.KERNEL_BACKENDS
     # Bit-identical results run to run: attention's backward is our Triton two-kernel one, which adds no
     # atomics, instead of cuDNN's or (on Hopper) the one-pass Gluon one, which add dQ with atomics and are
-    # faster (kernels.dispatch.attention_kernels; docs/BENCHMARKS.md).
+    # faster (kernels.dispatch.attention_kernels; docs/PERFORMANCE.md, "Attention").
     deterministic: bool = False
     log_every: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

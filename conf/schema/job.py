@@ -14,6 +14,7 @@ from conf.errors import ConfigError
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_BACKENDS = ("auto", "triton", "reference")
 WANDB_MODES = ("offline", "online", "disabled")
+MAX_SEED = 2**32 - 1     # numpy.random.seed takes [0, 2**32 - 1]
 
 
 @dataclass
@@ -81,6 +82,8 @@ def check_job(cfg) -> None:
     for name in ("seq_len", "batch_size", "max_steps", "log_every"):
         if cfg[name] < 1:
             raise ConfigError(f"{name}={cfg[name]} must be at least 1")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"seed={cfg.seed} must be within [0, {MAX_SEED}]")
     check_kernels_backend(cfg.kernels)
     resolve_device(cfg.device)
     for name in ("every_steps", "every_minutes", "keep_last"):

@@ -11,7 +11,7 @@ from conf.errors import ConfigError
 GPU_PRESETS = {"a100_80gb": 79.2, "h100_80gb": 79.2, "h200": 139.8}
 HOPPER_PRESETS = ("h100_80gb", "h200")       # where cuDNN's attention is the faster one (kernels.dispatch)
 # scripts/plan.py on a machine without a GPU plans for this GPU and host size unless told otherwise: the
-# H100 80GB and the 125 GiB MemTotal of its 128 GiB host, the machine docs/BENCHMARKS.md measures.
+# H100 80GB and the 125 GiB MemTotal of its 128 GiB host, the machine docs/PERFORMANCE.md measures.
 PLANNING_GPU, PLANNING_HOST_GIB = "h100_80gb", 125.0
 
 
@@ -50,8 +50,8 @@ class MemoryConfig:
     gpu: Optional[str] = None
     gpu_memory_gib: Optional[float] = None
     host_memory_gib: Optional[float] = None
-    # Share of host memory that may be page-locked (104 of 125 GiB could be on the benchmark machine;
-    # 92 GiB were pinned there at 524k tokens with 0.75).
+    # Share of host memory that may be page-locked (what 0.75 pins on the benchmark host at 524k tokens:
+    # docs/PERFORMANCE.md, "Memory plans against measured peaks").
     pinnable_fraction: float = 0.75
     # Refuse to build the model when the plan does not fit (the error gives the numbers and the fix).
     check: bool = True

@@ -31,6 +31,7 @@ class OptimConfig:
     warmup_steps: Optional[int] = None
     # Cosine decay ends at lr * min_lr_ratio.
     min_lr_ratio: float = 0.1
+    # Clip the global L2 norm of the gradients to this; 0 turns clipping off.
     grad_clip: float = 1.0
     grad_accum_steps: int = 1
 
@@ -90,3 +91,5 @@ def check_optim(optim_cfg, max_steps: int) -> None:
         raise ConfigError(f"optim.min_lr_ratio={optim_cfg.min_lr_ratio} must be within [0, 1]")
     if optim_cfg.lr <= 0:
         raise ConfigError(f"optim.lr={optim_cfg.lr} must be positive")
+    if optim_cfg.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={optim_cfg.grad_clip} must be >= 0 (0 turns clipping off)")

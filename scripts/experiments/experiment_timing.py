@@ -1,5 +1,5 @@
 """The experiments' timer: callables timed in turn, round after round, on the GPU (its clock drifts with
-temperature and power: timed one after another, the same kernel once ranked 11% apart), each one's median
+temperature and power: docs/PERFORMANCE.md, "How to measure"), each one's median
 printed with its spread (max - min, in % of the median), and with a scripts.gpu_clocks.ClockSampler its clock,
 mean power and work per joule."""
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts import gpu_clocks  # noqa: E402
 
-# NVML's energy counter moves in steps too coarse for shorter timings (docs/BENCHMARKS.md: 820 W read over
-# 0.13 s cells at a 700 W limit).
+# NVML's energy counter moves in steps too coarse for shorter timings (docs/PERFORMANCE.md, "How to measure").
 METERED_MS = 1000
 
 

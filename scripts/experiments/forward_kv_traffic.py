@@ -1,16 +1,11 @@
 """Does the Gluon forward's HBM traffic cost it speed at the power limit? The forward at 32k and 131k (B = 1,
-32 query heads of 128, causal, bf16) with 8 KV heads (Llama-3 8B), 1 and 32: the same products, but by the
-count below K and V read from HBM about 8 times less and 4 times more. A wave of the persistent CTAs (132 on the H100) holds
-items of 4 query blocks of every head (heads are the items' fastest axis), so with 8 KV heads 16 CTAs stream
-each KV head's tiles together and share them through L2; with 1 all 132 do, with 32 only 4. Timed in turn,
-metered (clock, power, work per joule over one-second cells).
+32 query heads of 128, causal, bf16) with 8 KV heads (Llama-3 8B), 1 and 32: the same products, but K and V
+read from HBM about 8 times less and 4 times more, when the persistent CTAs take work items heads fastest.
+Timed in turn, metered (clock, power, work per joule over one-second cells).
 
-    python3 docs/experiments/forward_kv_traffic.py
+    python3 scripts/experiments/forward_kv_traffic.py
 
-Measured on 2026-11-26 (docs/BENCHMARKS.md): at 131k, 1 KV head 6% faster than 8, 32 KV heads 7% slower.
-If 1 KV head runs clearly faster than 8 at the same power, an order of work items that keeps fewer KV heads
-per wave (balanced across the CTAs) is worth building; if not, HBM traffic is not what the power limit
-charges for."""
+What it found, and the order of work items built on it: docs/PERFORMANCE.md, "Attention"."""
 import sys
 from pathlib import Path
 

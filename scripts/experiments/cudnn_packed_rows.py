@@ -1,10 +1,9 @@
 """cuDNN's attention for packed rows (torch's `aten::_cudnn_attention_forward/backward` with cum_seq_q and
 cum_seq_k, [T, H, D] tensors, statistics [T, H, 1]) against a per-document fp32 reference and against ours,
-on a Hopper GPU: output and gradient errors, and times. On 2026-11-25 (torch 2.11, cuDNN 9.19; 32/8 heads of
-128, causal) its forward was right but 11x slower than ours on 16 x 4k documents and its backward wrong on
-every pack (docs/BENCHMARKS.md); run it again on a newer torch before routing packed rows to cuDNN.
+on a Hopper GPU: output and gradient errors, and times. What it found on torch 2.11: docs/PERFORMANCE.md,
+"Tried and not kept"; run it again on a newer torch before routing packed rows to cuDNN.
 
-    python3 docs/experiments/cudnn_packed_rows.py
+    python3 scripts/experiments/cudnn_packed_rows.py
 """
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ def run_pack(label: str, lengths: list[int]) -> None:
     grads = cudnn_backward(grad_out, q, k, v, out, stats, cu_seqlens, longest)
     print(f"{label}: cuDNN backward errors dq dk dv",
           [f"{rel_err(g[None], e):.2e}" for g, e in zip(grads, exact[1:])])
-    bounds = fa._document_bounds(cu_seqlens, total)
+    bounds = fa.document_bounds(cu_seqlens, total)
     ours = lambda: fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
     ours_out, lse_log2 = ours()
     ours_stats = (lse_log2[0] * math.log(2)).t().contiguous().unsqueeze(-1)     # cuDNN's [T, H, 1]

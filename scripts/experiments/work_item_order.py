@@ -7,7 +7,7 @@ their tiles (the less, the sooner a tile read from HBM is read again by another 
 H100)). At Llama-3 8B's heads (32 query heads, 8 KV heads), blocks of 128 queries and tiles of 128 keys,
 causal, on 132 CTAs (the H100 SXM's SMs) and 114 (the PCIe card's). No GPU needed.
 
-    python3 docs/experiments/work_item_order.py
+    python3 scripts/experiments/work_item_order.py
 
 Orders, a causal row's latest blocks (the heaviest) first unless said:
 - heads fastest, then blocks, then batch rows (the kernel's below 32k);
@@ -17,9 +17,10 @@ Orders, a causal row's latest blocks (the heaviest) first unless said:
 Sharing: CTA c takes items c, c + CTAs, ... ("strided"), or the c-th of a round then the c-th from the end of
 the next ("mirrored", the kernel's).
 
-The model misjudged one case on the GPU (2026-11-26, docs/BENCHMARKS.md): heads fastest, mirrored, has the
-smallest window here but ran the 131k forward 2% slower than strided; KV head by KV head, mirrored, ran it 5%
-faster. What the model leaves out (each CTA's own pace, L2's two halves, Q and O traffic) matters there.
+The model misjudged one case on the GPU (c729dfe:docs/BENCHMARKS.md): heads fastest, mirrored, has the
+smallest window here but ran the 131k forward slower than strided; KV head by KV head, mirrored, ran it faster
+(docs/PERFORMANCE.md, "Attention"). What the model leaves out (each CTA's own pace, L2's two halves, Q and O
+traffic) matters there.
 
 The one-pass backward launches a CTA per (KV head, key block) instead, and the GPU starts each CTA in grid
 order as one ends: the last table is that list scheduling's time over the ideal (total work / CTAs), with

@@ -4,16 +4,16 @@ replacement must match exactly once, so a variant that no longer fits the kernel
 variants run in turn over rounds (the GPU's clock drifts), at 8k, 32k and packed 16 x 4k (B = 1, 32/8
 heads of 128, causal, bf16); each is checked against the kernel as it is (dq differs by its atomics' order).
 
-    python3 docs/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
-    python3 docs/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
+    python3 scripts/experiments/backward_variants.py [VARIANT ...] [--cases packed-16x4k batch-16x4k ...] [--meter]
+    python3 scripts/experiments/backward_variants.py --base HEAD [VARIANT ...] [--cell-ms 1000]
         # the kernel file at a git revision (with that revision's forward module, the working tree's
         # others), the working tree's, and the named variants of the working tree's
 
-`--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at 32k our
-backward spent 22% more energy than cuDNN's in the same time (docs/BENCHMARKS.md).
+`--meter` adds each timing's clock, mean power and work per joule (NVML), timings of a second each: at the
+power limit work per joule is speed (docs/PERFORMANCE.md, "How to measure").
 
-The variants below were measured on 2026-11-25 (docs/BENCHMARKS.md), none faster beyond the spread; a new
-idea is one more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and
+The variants below were measured none faster beyond the spread (docs/PERFORMANCE.md, "Tried and not kept");
+a new idea is one more entry in VARIANTS. Times are of `attention_backward` (with its accumulator's zeroing and
 cast, not the delta kernel)."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ CASES = {"8k": (1, [8192], False), "32k": (1, [32768], False), "packed-16x4k": (
 DEFAULT_CASES = ["8k", "32k", "packed-16x4k", "batch-16x4k", "batch-16x4k-bounds"]
 
 # name: [(old, new), ...] applied to SOURCE in order. (Freeing dO's stage as soon as dV is done, measured
-# before dO and Q shared one free barrier per stage, is gone with that barrier: docs/BENCHMARKS.md.)
+# before dO and Q shared one free barrier per stage, is gone with that barrier: c729dfe:docs/BENCHMARKS.md.)
 VARIANTS = {
     # the softmax scale folded into P once P is stored for dV: dS carries it, dQ needs no multiply
     "scale_p": [
@@ -76,11 +76,13 @@ VARIANTS = {
         ("            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
          "            if (tile < head_tiles) | (tile >= mid_end):\n",
          "            masked = (tile < head_tiles) | (tile >= mid_end)\n"
-         "            query_doc_lo, query_doc_hi = _token_documents(DOC_START, DOC_END, queries, (queries < seqlen) & masked,\n"
+         "            query_doc_lo, query_doc_hi = _token_documents(DOC_START, DOC_END, queries, "
+         "(queries < seqlen) & masked,\n"
          "                                                          HAS_DOCS)\n"
          "            scores = warpgroup_mma_wait(1, deps=(scores, ))\n"
          "            if masked:\n"),
-        ("                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, HAS_DOCS)\n"
+        ("                key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, "
+         "HAS_DOCS)\n"
          "                visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],\n"
          "                                         key_doc_hi[None, :], queries[:, None], seqlen, CAUSAL, HAS_DOCS)\n",
          "                visible = _visible_pairs(queries[:, None], keys[None, :], query_doc_lo[:, None],\n"
@@ -133,7 +135,7 @@ def inputs(rows: int, lengths: list[int], with_bounds: bool):
     bounds = (None, None)
     if with_bounds:
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        bounds = fa._document_bounds(cu_seqlens, total)
+        bounds = fa.document_bounds(cu_seqlens, total)
     out, lse = fh.attention_forward(q, k, v, *bounds, True, SCALE * fa.LOG2E)
     delta = (out.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
     return do, q, k, v, lse, delta, *bounds

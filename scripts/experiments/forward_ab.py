@@ -3,13 +3,12 @@ largest difference of their outputs and statistics on odd shapes and layouts (D 
 packed documents, batch rows apart, heads 256 apart), then all timed in turn over 7 rounds at 8k, 32k,
 packed 16 x 4k, a batch of 16 x 4k and 131k (B = 1 unless a batch, 32/8 heads of 128, causal, bf16).
 
-    python3 docs/experiments/forward_ab.py [OTHER_VERSION.py ...]   # default: the file at git HEAD ("old")
-    AB_CELL_MS=1000 python3 docs/experiments/forward_ab.py        # cells of a second: the power limit's pace
+    python3 scripts/experiments/forward_ab.py [OTHER_VERSION.py ...]   # default: the file at git HEAD ("old")
+    AB_CELL_MS=1000 python3 scripts/experiments/forward_ab.py        # cells of a second: the power limit's pace
     AB_METER=1 ...                                                # and each one's clock, power, TFLOP/J
 
-Measured (docs/BENCHMARKS.md): on 2026-11-25 the persistent forward of 9b3a016 against e3f6d7d's, a CTA per
-work item (`git show e3f6d7d:kernels/flash_attention_hopper.py > /tmp/one_cta_per_item.py`); on 2026-11-26
-four orders of work items at once. Versions are named by their files' names, which must differ."""
+Another revision's file: `git show REV:kernels/flash_attention_hopper.py > /tmp/at_rev.py`. Versions are named
+by their files' names, which must differ. What it measured: docs/PERFORMANCE.md, "Tried and not kept"."""
 import contextlib
 import importlib.util
 import os
@@ -49,7 +48,7 @@ def rnd(*shape):
 
 def docs(total, cuts):
     cu = torch.tensor([0, *cuts, total], dtype=torch.int32, device="cuda")
-    return fa._document_bounds(cu, total)
+    return fa.document_bounds(cu, total)
 
 def check(label, q, k, v, bounds=(None, None), causal=True):
     scale = q.shape[-1] ** -0.5 * fa.LOG2E
@@ -67,9 +66,9 @@ check("B1 S4096 packed 5 docs", rnd(1, 4096, 8, 128), rnd(1, 4096, 2, 128), rnd(
       docs(4096, [1, 300, 301, 2500]))
 check("B1 S4096 packed noncausal", rnd(1, 4096, 8, 128), rnd(1, 4096, 2, 128), rnd(1, 4096, 2, 128),
       docs(4096, [1000, 3001]), causal=False)
-base = rnd(3, 1000, 4, 128); kb = rnd(3, 1000, 2, 128); vb = rnd(3, 1000, 2, 128)
+base, kb, vb = rnd(3, 1000, 4, 128), rnd(3, 1000, 2, 128), rnd(3, 1000, 2, 128)
 check("B3 S777 rows apart (per-row launches)", base[:, :777], kb[:, :777], vb[:, :777])
-wide = rnd(2, 999, 4, 256); kw = rnd(2, 999, 2, 256)
+wide, kw = rnd(2, 999, 4, 256), rnd(2, 999, 2, 256)
 check("B2 S999 heads 256 apart", wide[..., :128], kw[..., :128], kw[..., 128:])
 check("B16 S4096 32/8", rnd(16, 4096, 32, 128), rnd(16, 4096, 8, 128), rnd(16, 4096, 8, 128))
 
