@@ -67,13 +67,16 @@ class HaystackParts:
     """The tokenized pieces every haystack is made of, with the run's tokenizer."""
 
     def __init__(self, tokenizer, filler: list[int] | None):
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        self.encode = encode
-        self.start = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + encode(INSTRUCTION)
+        self.tokenizer = tokenizer
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.start = bos + self.encode(INSTRUCTION)
         # Built-in filler is cut at whole repetitions only, so the key's sentence sits between sentences.
-        self.filler, self.unit = (filler, 1) if filler else (encode(FILLER), len(encode(FILLER)))
-        self.question = encode(QUESTION)
+        self.filler, self.unit = (filler, 1) if filler else (self.encode(FILLER), len(self.encode(FILLER)))
+        self.question = self.encode(QUESTION)
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def haystack(self, length: int, depth: float, key: str) -> Document:
         """A document of exactly `length` tokens whose targets are the key's tokens at its end."""

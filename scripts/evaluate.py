@@ -39,13 +39,16 @@ from omegaconf import OmegaConf  # noqa: E402
 import kernels  # noqa: E402
 from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.job import resolve_device  # noqa: E402
-from conf.validate import validate  # noqa: E402
+from conf.validate import ConfigError, validate  # noqa: E402
+from data import DataError  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
+from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
 from trainer.build import architecture, model_architecture  # noqa: E402
-from trainer.checkpoint_format import ADAPTER_DIR, CONFIG_FILE, marker_problem  # noqa: E402
+from trainer.checkpoint_format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, marker_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -58,7 +61,7 @@ def is_checkpoint(path: Path) -> bool:
 
 def job_config(source: Path | None, overrides: list[str]):
     """The config to evaluate with: a checkpoint's run config, or the defaults (with model.path=<source> for a
-    model directory), the overrides on top; evaluation on (at_start) whatever the run had."""
+    model directory), the overrides on top; evaluation on (eval.at_start), whatever the run had."""
     register_configs()
     if source is not None and is_checkpoint(source):
         saved = OmegaConf.create((source / CONFIG_FILE).read_text())
@@ -68,13 +71,11 @@ def job_config(source: Path | None, overrides: list[str]):
             path = [f"model.path={source}"] if source is not None else []
             cfg = compose("config", overrides=path + overrides)
     cfg.eval.at_start = True
-    cfg.logger.wandb.mode = "disabled"
     return cfg
 
 
 def checkpoint_model(checkpoint: Path, cfg) -> Llama:
     """A training checkpoint's model in fp32 on the CPU, LoRA merged into its base (scripts/export.py)."""
-    from scripts.export import ExportError, full_model, lora_base_dir, merged_lora
     problem = marker_problem(checkpoint)
     if problem:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
@@ -132,12 +133,15 @@ def main() -> None:
     if len(sources) > 1:
         sys.exit(f"give one checkpoint or model directory, got {len(sources)}: {', '.join(map(str, sources))}")
     source = sources[0] if sources else None
-    cfg = job_config(source, overrides)
-    validate(cfg)
-    device = resolve_device(cfg.device)
-    kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
-    model = load_model(source, cfg, device)
-    evaluator = build_evaluator(cfg, model, device)
+    try:
+        cfg = job_config(source, overrides)
+        validate(cfg)
+        device = resolve_device(cfg.device)
+        kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
+        model = load_model(source, cfg, device)
+        evaluator = build_evaluator(cfg, model, device)
+    except (ConfigError, DataError, CheckpointError, HFCheckpointError, ExportError, OSError) as error:
+        sys.exit(f"evaluation failed: {error}")
     times, figures = [], {}
     for _ in range(args.repeat):
         started = time.perf_counter()

@@ -251,3 +251,21 @@ def test_evaluate_script_says_how_and_evaluates_a_checkpoint(tmp_path):
     figures = json.loads((out / "evaluation.json").read_text())
     assert figures["eval/tokens"] > 0 and math.isfinite(figures["eval/loss"])
     assert (out / "loss_by_position.png").is_file()
+
+    model_dir = tmp_path / "model"           # a Hugging Face directory with a tokenizer: the passkey probe too
+    tokenizer = passkey_tokenizer(model_dir)
+    model = Llama.from_config(LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)}))
+    from safetensors.torch import save_file
+    (model_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    save_file({name: t.contiguous() for name, t in model.state_dict().items()}, str(model_dir / "model.safetensors"))
+    subprocess.run([sys.executable, "scripts/evaluate.py", str(model_dir), "--out", str(out / "model"), "device=cpu",
+                    "seq_len=256", "eval.passkey.lengths=2", "eval.passkey.depths=2", "data.num_keys=20",
+                    "data.num_values=10", "data.num_pairs=4", "data.num_queries=4"],
+                   cwd=REPO, check=True, capture_output=True, text=True)
+    figures = json.loads((out / "model" / "evaluation.json").read_text())
+    assert figures["eval/passkey/accuracy"] == 0.0 and "eval/passkey/256/100" in figures
+    assert (out / "model" / "passkey.png").is_file()
+    refused = subprocess.run([sys.executable, "scripts/evaluate.py", "--out", str(out / "bad"), "seq_len=16"],
+                             cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        next(line for line in refused.stderr.splitlines() if line.startswith("evaluation failed: seq_len=16"))]

@@ -139,22 +139,27 @@ class Evaluator:
             return batch, self.model(batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens)
 
     def _held_out_sums(self) -> list[float]:
-        """Per bucket summed loss, then per bucket tokens, then (correct, counted, unmeasurable) accuracy."""
+        """Per bucket summed loss, then per bucket tokens, then the accuracy's correct and counted tokens and
+        its unmeasurable batches (trainer.step.supervised_correct)."""
         buckets = len(self.edges) - 1
-        losses, counts, accuracy = [0.0] * buckets, [0] * buckets, [0, 0, 0]
+        losses, counts = [0.0] * buckets, [0] * buckets
+        correct = counted = unmeasurable = 0
         head = unwrap_llama(self.model).lm_head.weight
         for index in self._mine(len(self.held_out)):
             shard = self.held_out[index].shard(self.world.sequence_rank, self.world.sequence)
             batch, hidden = self._hidden(shard)
             with autocast(self.device):
-                batch_sums, batch_counts = bucket_losses(hidden, head, batch.labels, batch.position_ids, self.edges)
+                batch_losses, batch_counts = bucket_losses(hidden, head, batch.labels, batch.position_ids,
+                                                           self.edges)
+            losses = [total + part for total, part in zip(losses, batch_losses)]
+            counts = [total + part for total, part in zip(counts, batch_counts)]
             tally = supervised_correct(self.model, hidden, batch.labels)
-            accuracy = [accuracy[0] + (tally or (0, 0))[0], accuracy[1] + (tally or (0, 0))[1],
-                        accuracy[2] + (tally is None)]
-            losses = [a + b for a, b in zip(losses, batch_sums)]
-            counts = [a + b for a, b in zip(counts, batch_counts)]
+            if tally is None:
+                unmeasurable += 1
+            else:
+                correct, counted = correct + tally[0], counted + tally[1]
             del hidden
-        return losses + counts + accuracy
+        return losses + counts + [correct, counted, unmeasurable]
 
     def _held_out_figures(self, totals: list[float]) -> dict:
         buckets = len(self.edges) - 1
@@ -177,8 +182,8 @@ class Evaluator:
             shard, shard_cells = grid.shard(index, self.world.sequence_rank, self.world.sequence)
             batch, hidden = self._hidden(shard)
             batch_wrong, batch_total = answer_misses(hidden, head, batch.labels, shard_cells, cells)
-            wrong = [a + b for a, b in zip(wrong, batch_wrong)]
-            total = [a + b for a, b in zip(total, batch_total)]
+            wrong = [sum_ + part for sum_, part in zip(wrong, batch_wrong)]
+            total = [sum_ + part for sum_, part in zip(total, batch_total)]
             del hidden
         return wrong + total
 
@@ -233,8 +238,12 @@ def evaluator_for(cfg, model: torch.nn.Module, device: torch.device, world: Worl
     vocab_size = unwrap_llama(model).config.vocab_size
     held = held_out_data(cfg.data, cfg.eval.path, cfg.eval.fraction, cfg.seq_len, cfg.batch_size, cfg.seed,
                          vocab_size, cfg.model.path, batches)
-    return Evaluator(model, device, world, cfg.seq_len, held.batches, passkey_for(cfg, held.text, world),
-                     cfg.eval.every_steps, cfg.eval.passkey.every_steps, cfg.max_steps)
+    passkey = passkey_for(cfg, held.text, world)
+    log.info("evaluation: %d held-out batches of %d x %d tokens%s", len(held.batches), cfg.batch_size, cfg.seq_len,
+             f", passkey {len(passkey.lengths)} lengths x {len(passkey.depths)} depths x {passkey.trials} in "
+             f"{len(passkey.batches)} batches" if passkey else ", no passkey probe")
+    return Evaluator(model, device, world, cfg.seq_len, held.batches, passkey, cfg.eval.every_steps,
+                     cfg.eval.passkey.every_steps, cfg.max_steps)
 
 
 def passkey_for(cfg, held_out_text: list[int] | None, world: World) -> PasskeyGrid | None:

@@ -28,7 +28,7 @@ class PasskeyConfig:
     # Haystacks per (length, depth), each with its own key.
     trials: int = 1
     # 0: at the start and at the end of training only; N: also every N steps (it costs about
-    # depths x (2 - 2^(1-lengths)) sequences of seq_len).
+    # depths x trials x (2 - 2^(1-lengths)) sequences of seq_len).
     every_steps: int = 0
     # The haystack's text: held_out (the held-out documents), builtin (a fixed English filler), or auto
     # (held-out text when the held-out data is text, else builtin).
