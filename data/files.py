@@ -34,6 +34,8 @@ TOKENIZATION_VERSION = 1
 RECORDS_PER_EXTRA_PROCESS = 20_000
 # Packed rows more padding than this are warned about: the data are short for seq_len.
 PADDING_WARNING = 0.5
+# The document-length percentiles the data summary reports.
+LENGTH_PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -171,6 +173,8 @@ class DataStats:
     padding_fraction: float
     long_docs: LongDocCounts
     seq_len: int
+    length_percentiles: dict[int, int]      # of the non-empty documents' token counts
+    longest: int
 
     def padding_warning(self) -> str | None:
         """A line when rows are mostly padding (PADDING_WARNING), else None."""
@@ -186,7 +190,9 @@ class DataStats:
         return (f"data: {self.documents:,} documents, {self.tokens:,} tokens (mean {mean:,.1f} per document, "
                 f"{self.targets / max(self.tokens, 1):.1%} trained on) -> {self.sequences:,} sequences of "
                 f"{self.seq_len} per epoch, padding {self.padding_fraction:.1%}; longer than seq_len: "
-                f"{long.split} split, {long.dropped} dropped, {long.truncated} truncated")
+                f"{long.split} split, {long.dropped} dropped, {long.truncated} truncated; document lengths: "
+                + ", ".join(f"p{p} {self.length_percentiles[p]:,}" for p in LENGTH_PERCENTILES)
+                + f", longest {self.longest:,}")
 
 
 def int_column(documents, name: str) -> np.ndarray:
@@ -235,10 +241,14 @@ class PackedDocuments:
         self.epoch, self.row = 0, 0
         self._plan_epoch(0)
         kept = self.pieces[:, 2] - self.pieces[:, 1]
-        self.stats = DataStats(documents=int((lengths > 0).sum()), tokens=int(lengths.sum()),
+        present = lengths[lengths > 0]
+        self.stats = DataStats(documents=len(present), tokens=int(lengths.sum()),
                                targets=int(int_column(documents, "targets").sum()), sequences=self.rows_in_epoch,
                                padding_fraction=1 - kept.sum() / (self.rows_in_epoch * seq_len),
-                               long_docs=long_counts, seq_len=seq_len)
+                               long_docs=long_counts, seq_len=seq_len,
+                               length_percentiles={p: int(np.percentile(present, p, method="higher"))
+                                                   for p in LENGTH_PERCENTILES},
+                               longest=int(present.max()))
 
     def _plan_epoch(self, epoch: int) -> None:
         self.order = epoch_order(len(self.pieces), self.seed, epoch)
@@ -302,6 +312,44 @@ class PackedDocuments:
                          if saved.get(key) != value)
 
 
+def trained_positions(documents, seq_len: int, long_docs: str, context: int) -> tuple[int, int]:
+    """(trained tokens, those at positions >= `context`): a token is trained at the position that predicts
+    it, counted from its piece's start (packing keeps documents apart, and a document longer than seq_len
+    is split into pieces that each start at position 0, truncated or dropped: data.long_docs). Reads the
+    trained-on flags chunk by chunk, as content_fingerprint does."""
+    trained = beyond = 0
+    for chunk in documents.with_format("arrow", columns=["is_target"])[:].column("is_target").chunks:
+        lengths = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+        flags = chunk.flatten().to_numpy(zero_copy_only=False).astype(bool)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        index = np.arange(len(flags)) - starts                       # each token's index in its document
+        kept = np.ones(len(flags), dtype=bool)
+        if long_docs == "drop":
+            kept = np.repeat(lengths <= seq_len, lengths)
+        elif long_docs == "truncate":
+            kept = index < seq_len
+        position = index % seq_len                                   # in its piece; 0 predicts nothing
+        counted = flags & kept & (position >= 1)
+        trained += int(counted.sum())
+        beyond += int((counted & (position - 1 >= context)).sum())
+    return trained, beyond
+
+
+def log_positions_beyond(documents, seq_len: int, long_docs: str, context: int) -> None:
+    """The share of trained tokens at positions beyond model.path's context; a warning when there are none,
+    since a context extension then trains nothing new."""
+    trained, beyond = trained_positions(documents, seq_len, long_docs, context)
+    share = beyond / max(trained, 1)
+    if beyond:
+        log.info("data: %.1f%% of trained tokens (%s) are at positions beyond model.path's context of %d",
+                 100 * share, f"{beyond:,}", context)
+    else:
+        log.warning("data: no trained token is at a position beyond model.path's context of %d (packing keeps "
+                    "documents apart, so positions are bounded by the longest document): positions up to seq_len="
+                    "%d are never trained; add documents longer than %d tokens (docs/LONG_CONTEXT.md)",
+                    context, seq_len, context)
+
+
 def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_path: str):
     """(documents, format, tokenizer) of the files at `path`, read and tokenized with the data.* options (the
     tokenization cached)."""
@@ -317,17 +365,22 @@ def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_p
     return documents, fmt, tokenizer
 
 
+def long_docs_policy(cfg: DataConfig, fmt: str) -> str:
+    """data.long_docs, auto resolved by format: drop for chat (a cut-off reply), split for text."""
+    return cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
+
+
 def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: int, batch_size: int,
                      seed: int) -> PackedDocuments:
-    """The packed stream over tokenized `documents`, as data.* says (long_docs=auto by format)."""
-    long_docs = cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
+    """The packed stream over tokenized `documents`, as data.* says."""
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
+    return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs_policy(cfg, fmt), pad_id)
 
 
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      tokenizer_path: str, held_out: float = 0.0) -> PackedDocuments:
-    """The training stream; `held_out` (eval.fraction) leaves that fraction of the documents out
+                      tokenizer_path: str, trained_context: int | None = None,
+                      held_out: float = 0.0) -> PackedDocuments:
+    """The training stream. `held_out` (eval.fraction) leaves that fraction of the documents out
     (data.held_out.split_documents), which changes the documents' content hash, so a resume with another
     fraction is refused as other data."""
     documents, fmt, tokenizer = tokenized_documents(cfg, cfg.path, vocab_size, tokenizer_path)
@@ -338,6 +391,8 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
     log.info(stream.stats.line())
     if warning := stream.stats.padding_warning():
         log.warning(warning)
+    if trained_context is not None and trained_context < seq_len:
+        log_positions_beyond(documents, seq_len, long_docs_policy(cfg, fmt), trained_context)
     return stream
 
 

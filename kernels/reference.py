@@ -30,9 +30,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding of q [B, S, Hq, D] and k [B, S, Hkv, D] by per-token tables cos, sin
-    [B, S, 1, D] (`LlamaModel.rope`: packed documents' restarting positions and llama3 scaling are already
-    in them), in the rotate-half convention of transformers' Llama: x * cos + rotate_half(x) * sin, where
-    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Returns new (q, k) in their own dtypes."""
+    [B, S, 1, D] (`model.rope.rope_tables`: packed documents' restarting positions, the rope scaling and its
+    attention factor are already in them), in the rotate-half convention of transformers' Llama:
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Returns new (q, k)
+    in their own dtypes."""
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         first, second = x32.chunk(2, dim=-1)

@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-ROPE_TYPES = ("default", "llama3")
+# The rope types transformers implements for Llama (model.rope computes them with transformers' code), with
+# the rope_scaling keys each reads.
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+ROPE_TYPES = tuple(ROPE_KEYS)
 
 
 @dataclass
@@ -23,8 +31,8 @@ class LlamaConfig:
     max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} as in Llama-3.1's config.json.
+    # None (the default rope), or the scaling as in config.json's `rope_scaling` (transformers 4) or
+    # `rope_parameters` (5) without its rope_theta: {"rope_type": "yarn", "factor": 8.0, ...}.
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -36,12 +44,11 @@ class LlamaConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.rope_scaling is not None:
-            self.rope_scaling = dict(self.rope_scaling)
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in ROPE_TYPES:
-                raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
-            self.rope_scaling["rope_type"] = rope_type
+        self.rope_scaling = canonical_rope_scaling(self.rope_scaling)
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "LlamaConfig":
@@ -54,10 +61,9 @@ class LlamaConfig:
         rope_parameters = values.pop("rope_parameters", None)
         if rope_parameters:
             values.setdefault("rope_theta", rope_parameters.get("rope_theta", cls.rope_theta))
-            if rope_parameters.get("rope_type", "default") != "default":
-                values["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+            values["rope_scaling"] = rope_parameters
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style dict that peft and loggers read as `model.config`."""
@@ -74,20 +80,16 @@ class LlamaConfig:
         return values
 
 
-def rope_inverse_frequencies(cfg: LlamaConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Per-pair rotation frequencies, with Llama-3.1's frequency-dependent rescaling when configured."""
-    dim = cfg.head_dim
-    # fp32 as transformers computes it, so positions far into the context rotate identically.
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    scaling = cfg.rope_scaling
-    if not scaling or scaling["rope_type"] == "default":
-        return inv_freq
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    # Long wavelengths (beyond the original context) are slowed by `factor`, short ones kept, and the band
-    # between them interpolated smoothly.
-    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
-    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return scaled
+def canonical_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`scaling` as one layout: `rope_type` (older files say `type`), no rope_theta (a field of its own),
+    None for the default rope, and without the keys only other rope types read (transformers ignores them;
+    they come from a command-line scaling merged into a model group's, e.g. yarn over Llama-3.1's llama3).
+    ValueError for a type transformers does not implement for Llama."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type") or scaling.get("type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+    others = {key for keys in ROPE_KEYS.values() for key in keys} - set(ROPE_KEYS[rope_type])
+    kept = {key: value for key, value in scaling.items() if key not in others | {"rope_theta", "type", "rope_type"}}
+    return None if rope_type == "default" else {"rope_type": rope_type, **kept}

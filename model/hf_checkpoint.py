@@ -3,6 +3,7 @@ beside them): loading a local Llama checkpoint, and writing our model as one tha
 export)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import LlamaConfig
-from model.llama import unwrap_llama
+from model.rope import check_rope
 from storage.atomic import atomic_directory
 
 # The single-file weights of a model directory; training checkpoints of full fine-tuning use it too.
@@ -22,6 +23,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Buffers some older checkpoints carry; we recompute them.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The architecture keys a run may change on top of a checkpoint (context extension): the rest is its weights'.
+ROPE_OVERRIDE_KEYS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 
 class HFCheckpointError(ValueError):
@@ -35,7 +38,9 @@ def read_json(file: Path) -> dict:
         raise HFCheckpointError(f"{file} is not valid JSON: {error}") from error
 
 
-def read_config(path: Path) -> LlamaConfig:
+def read_config(path: Path, overrides: dict | None = None) -> LlamaConfig:
+    """The architecture of the checkpoint at `path`, with `overrides` (ROPE_OVERRIDE_KEYS, None: the
+    checkpoint's) applied."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
@@ -43,7 +48,28 @@ def read_config(path: Path) -> LlamaConfig:
     values = read_json(config_file)
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
-    return LlamaConfig.from_dict(values)
+    try:
+        return with_overrides(LlamaConfig.from_dict(values), overrides or {})
+    except ValueError as error:
+        raise HFCheckpointError(f"{config_file}: {error}") from None
+
+
+def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
+    """`cfg` with the rope keys of `overrides` that are not None, checked (check_rope). A new scaling without
+    original_max_position_embeddings extends `cfg`'s context (transformers would take the new
+    max_position_embeddings instead)."""
+    unknown = sorted(set(overrides) - set(ROPE_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"only {', '.join(ROPE_OVERRIDE_KEYS)} can change a checkpoint's architecture, not "
+                         f"{', '.join(unknown)}")
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    scaling = changes.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
+        changes["rope_scaling"] = {**scaling, "original_max_position_embeddings":
+                                   scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)}
+    cfg = dataclasses.replace(cfg, **changes)
+    check_rope(cfg)
+    return cfg
 
 
 def token_ids(path: Path) -> dict:
@@ -86,12 +112,14 @@ def read_shard(file: Path, expected: dict, tied: bool, dtype: torch.dtype,
     return state
 
 
-def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str):
+def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    overrides: dict | None = None):
+    """A `cls` (our Llama) with the weights at `path` and its architecture (read_config)."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise HFCheckpointError(f"model path {str(path)!r} is not a directory: give model.path=<local HF "
                               f"checkpoint directory>")
-    cfg = read_config(path)
+    cfg = read_config(path, overrides)
     with torch.device("meta"):
         model = cls(cfg)
     expected = dict(model.state_dict(keep_vars=True))
@@ -118,6 +146,11 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def unwrap_llama(model: torch.nn.Module) -> torch.nn.Module:
+    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our Llama's weights under Hugging Face names, without a tied head (safetensors stores each tensor
     once). For a peft model: the frozen base, without the adapters."""
@@ -136,6 +169,22 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_weights(weights: dict[str, torch.Tensor], directory: Path) -> None:
     """`weights` as <directory>/model.safetensors, in the format transformers reads."""
     save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+
+
+def save_linked_model(source: Path, config: dict, directory: Path) -> Path:
+    """A Hugging Face model directory holding `source`'s files (weights, tokenizer, generation config) as
+    links, nothing copied, beside a config.json that is `source`'s updated by `config` (its token ids and
+    dtype kept): the same weights under another architecture's rope. Written atomically."""
+    values = read_json(source / "config.json")
+    # `config` gives rope_theta and rope_scaling; transformers 5 would read a stale rope_parameters first.
+    values.pop("rope_parameters", None)
+    values.update(config)
+    with atomic_directory(directory) as temp:
+        for file in sorted(source.resolve().iterdir()):
+            if file.is_file() and file.name != "config.json":
+                (temp / file.name).symlink_to(file)
+        (temp / "config.json").write_text(json.dumps(values, indent=1))
+    return directory
 
 
 def save_hf_model(weights: dict[str, torch.Tensor], config: dict, directory: Path,

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import kernels
-from model.config import LlamaConfig, rope_inverse_frequencies
+from model.config import LlamaConfig
+from model.hf_checkpoint import load_pretrained
+from model.rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -85,12 +87,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The sequence length a dynamic or longrope rope is computed for; None: each input's own length. The
+        # trainer fixes it at seq_len (Llama.train_rope_at).
+        self.rope_length: int | None = None
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope_inverse_frequencies(self.cfg, position_ids.device)
-        angles = position_ids.float()[..., None] * inv_freq                    # [B, S, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]          # [B, S, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_tables(self.cfg, position_ids, dtype, self.rope_length)
 
     def run_layer(self, layer: DecoderLayer, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                   cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -110,11 +112,6 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-def unwrap_llama(model: nn.Module) -> "Llama":
-    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 class Llama(nn.Module):
     """Causal LM: `forward` returns the final hidden states; the loss comes from them and
     `lm_head.weight` through `kernels.linear_cross_entropy`, so full logits are never built."""
@@ -125,6 +122,11 @@ class Llama(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def train_rope_at(self, seq_len: int) -> None:
+        """Compute a dynamic or longrope rope for `seq_len`-token sequences whatever a forward's input (a
+        packed row's documents, a sequence-parallel slice): one rope for the whole run."""
+        self.model.rope_length = seq_len
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when configured; re-run after anything that replaces params."""
@@ -161,7 +163,8 @@ class Llama(nn.Module):
                 nn.init.ones_(module.weight)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.bfloat16,
-                        device: torch.device | str = "cpu") -> "Llama":
-        from model.hf_checkpoint import load_pretrained
-        return load_pretrained(cls, path, dtype=dtype, device=device)
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                        overrides: dict[str, Any] | None = None) -> "Llama":
+        """The checkpoint at `path`, its config.json's architecture updated by `overrides` (the rope keys:
+        model.hf_checkpoint.ROPE_OVERRIDE_KEYS)."""
+        return load_pretrained(cls, path, dtype=dtype, device=device, overrides=overrides)

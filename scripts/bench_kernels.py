@@ -32,7 +32,7 @@ from kernels.rms_norm import rms_norm  # noqa: E402
 from kernels.rope import rope  # noqa: E402
 from kernels.swiglu import swiglu  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.llama import LlamaModel  # noqa: E402
+from model.rope import rope_tables  # noqa: E402
 from offload.units import GIB  # noqa: E402
 
 MATMUL_PEAK_TFLOPS = 795.0  # the figure for a bf16 H100 matmul
@@ -103,7 +103,7 @@ def bench_rope_swiglu(skip_liger: bool) -> None:
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     cfg = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    cos, sin = LlamaModel.rope(argparse.Namespace(cfg=cfg), torch.arange(tokens, device="cuda")[None], torch.bfloat16)
+    cos, sin = rope_tables(cfg, torch.arange(tokens, device="cuda")[None], torch.bfloat16)
     q = torch.randn(1, tokens, q_heads, head_dim, **bf16, requires_grad=True)
     k = torch.randn(1, tokens, kv_heads, head_dim, **bf16, requires_grad=True)
     grads = (torch.randn_like(q), torch.randn_like(k))

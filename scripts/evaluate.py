@@ -41,18 +41,17 @@ from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.job import resolve_device  # noqa: E402
 from conf.validate import ConfigError, validate  # noqa: E402
 from data import DataError  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
-from model.hf_checkpoint import HFCheckpointError  # noqa: E402
+from model import Llama  # noqa: E402
+from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, HFCheckpointError  # noqa: E402
 from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import architecture, model_architecture  # noqa: E402
+from trainer.build import model_architecture  # noqa: E402
 from trainer.checkpoint_format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, marker_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-ROPE_SETTINGS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -74,35 +73,33 @@ def job_config(source: Path | None, overrides: list[str]):
     return cfg
 
 
-def checkpoint_model(checkpoint: Path, cfg) -> Llama:
-    """A training checkpoint's model in fp32 on the CPU, LoRA merged into its base (scripts/export.py)."""
+def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
+    """A training checkpoint's weights, LoRA merged into its base (scripts/export.py)."""
     problem = marker_problem(checkpoint)
     if problem:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
     if (checkpoint / ADAPTER_DIR).is_dir():
-        weights, config, _ = merged_lora(checkpoint, lora_base_dir(checkpoint, cfg))
-    else:
-        source = cfg.model.path and Path(cfg.model.path).expanduser()
-        weights, config, _ = full_model(checkpoint, cfg, source)
-    model = Llama.from_config(LlamaConfig.from_dict(config))
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    return model
+        return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg))[0]
+    return full_model(checkpoint, cfg, cfg.model.path and Path(cfg.model.path).expanduser())[0]
 
 
 def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
-    """The model on `device` (bf16 on a GPU, fp32 on the CPU), with the RoPE settings the config gives
-    (model_architecture: the checkpoint's or the model group's), its MLP tiled as training tiles it."""
+    """The model on `device` (bf16 on a GPU, fp32 on the CPU) with the architecture training builds
+    (trainer.build.model_architecture: model.path's or the model group's, the rope settings applied), its RoPE
+    computed for seq_len and its MLP tiled as training tiles it."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    arch = model_architecture(cfg)
     if source is not None and is_checkpoint(source):
-        model = checkpoint_model(source, cfg).to(device=device, dtype=dtype)
+        model = Llama.from_config(arch)
+        model.load_state_dict(checkpoint_weights(source, cfg), strict=False)
+        model.tie_weights()
+        model = model.to(device=device, dtype=dtype)
     elif cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
+                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
     else:
-        model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
-    wanted = model_architecture(cfg)
-    for name in ROPE_SETTINGS:
-        setattr(model.config, name, getattr(wanted, name))
+        model = Llama.from_config(arch, dtype=dtype, device=device)
+    model.train_rope_at(cfg.seq_len)
     apply_memory_policy(model, None, mlp_tiles(cfg.seq_len * cfg.batch_size, cfg.memory), device)
     return model
 

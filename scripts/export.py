@@ -26,9 +26,9 @@ from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
-from model.hf_checkpoint import (WEIGHTS_FILE, HFCheckpointError, full_weights, read_config, token_ids,  # noqa: E402
-                                 weight_files)
-from trainer.build import architecture  # noqa: E402
+from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
+from conf.errors import ConfigError  # noqa: E402
+from trainer.build import model_architecture  # noqa: E402
 from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
                                        load_adapter, marker_problem)
 from trainer.disk_space import save_hf_model_if_room  # noqa: E402
@@ -56,9 +56,10 @@ def companion_files(model_dir: Path) -> list[Path]:
 
 
 def lora_base_dir(checkpoint: Path, cfg) -> Path:
-    if cfg.model.path:
-        return Path(cfg.model.path).expanduser()
+    """The run's base_model/ (a random init, or model.path under a changed rope), else model.path."""
     base = checkpoint.parent.parent / BASE_MODEL_DIR
+    if cfg.model.path and not base.is_dir():
+        return Path(cfg.model.path).expanduser()
     if not base.is_dir():
         raise ExportError(f"{checkpoint} is a LoRA adapter on a random-init base, and the run kept no copy of "
                           f"that base ({base} is missing; checkpoint.save_random_base was false), so there is "
@@ -74,9 +75,9 @@ def merged_lora(checkpoint: Path, base_dir: Path) -> tuple[dict[str, torch.Tenso
     return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])
 
 
-def full_model(checkpoint: Path, cfg, source: Path | None) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+def full_model(checkpoint: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
     from safetensors.torch import load_file
-    config = read_config(source) if source else architecture(cfg.model)
+    config = model_architecture(cfg)     # the run's recorded architecture, as training resolved it
     if (checkpoint / STATE_DIR).is_dir():     # saved by a run over several processes
         weights = sharded_weights(checkpoint / STATE_DIR)
         if config.tie_word_embeddings:
@@ -115,7 +116,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     lora = (checkpoint / ADAPTER_DIR).is_dir()
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
     source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()
-    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg, source)
+    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg)
     target = stored if dtype == "auto" else DTYPES[dtype]
     config |= token_ids(source) if source else {}
     config["torch_dtype"] = str(target).removeprefix("torch.")
@@ -136,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
-    except (ExportError, CheckpointError, HFCheckpointError, OSError) as error:
+    except (ExportError, CheckpointError, ConfigError, HFCheckpointError, OSError) as error:
         sys.exit(f"export failed: {error}")
     print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     if not tokenizer_files(out):

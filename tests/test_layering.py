@@ -9,7 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Lower rank = lower layer. A module may import its own package and packages of a lower rank only:
 # conf imports no other package of the project; storage, kernels and data are independent of each other.
-RANKS = {"conf": 0, "storage": 1, "kernels": 1, "data": 1, "model": 2, "offload": 3, "trainer": 4, "train": 5, "scripts": 5}
+RANKS = {"conf": 0, "storage": 1, "kernels": 1, "data": 1, "model": 2, "offload": 3, "trainer": 4, "train": 5,
+         "scripts": 5}
 
 
 def project_modules() -> list[Path]:
@@ -68,3 +69,43 @@ def test_the_check_catches_upward_imports(tmp_path, monkeypatch, source, importe
     path.parent.mkdir(parents=True)
     path.write_text(source)
     assert len(layering_violations([path])) == expected
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports (a package's __init__ counts for `from package import name`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & modules
+
+
+def import_cycles(files: list[Path]) -> list[list[str]]:
+    """Each module that can reach itself through imports, with one such path."""
+    modules = {module_name(path): path for path in files}
+    graph = {name: module_imports(path, set(modules)) - {name} for name, path in modules.items()}
+    cycles = []
+    for start in sorted(graph):
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop()
+            for target in sorted(graph[path[-1]]):
+                if target == start:
+                    cycles.append(path + [start])
+                elif target not in seen:
+                    seen.add(target)
+                    paths.append(path + [target])
+            if cycles and cycles[-1][0] == start:
+                break
+    return cycles
+
+
+def test_model_modules_import_each_other_one_way():
+    """model/llama.py loads checkpoints through model/hf_checkpoint.py, which never imports it back."""
+    assert import_cycles(sorted((ROOT / "model").glob("*.py"))) == []

@@ -6,7 +6,6 @@ import conftest_kernels  # first: interpreter or compiler settled before any ker
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import zlib
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from kernels import reference
 from kernels.rope import rope
 from kernels.swiglu import swiglu
 from model import Llama, LlamaConfig
-from model.llama import LlamaModel, positions_from_documents
+from model.llama import positions_from_documents
+from model.rope import rope_tables as model_rope_tables
 from offload.policy import apply_memory_policy
 
 pytestmark = conftest_kernels.needs_interpreter
@@ -42,10 +42,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def rope_tables(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype, scaling=LLAMA3_SCALING):
-    """cos/sin [B, S, 1, D] exactly as the model makes them (`LlamaModel.rope`, llama3 scaling)."""
+    """cos/sin [B, S, 1, D] exactly as the model makes them (`model.rope.rope_tables`, llama3 scaling)."""
     cfg = LlamaConfig(vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=1, num_key_value_heads=1, rope_theta=500000.0, rope_scaling=scaling)
-    return LlamaModel.rope(SimpleNamespace(cfg=cfg), position_ids, dtype)
+    return model_rope_tables(cfg, position_ids, dtype)
 
 
 def rope_case(q_leaf, k_leaf, cos, sin, dq, dk):

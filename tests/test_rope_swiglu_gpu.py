@@ -10,7 +10,8 @@ import torch
 
 from kernels import reference
 from model import LlamaConfig
-from model.llama import LlamaModel, positions_from_documents
+from model.llama import positions_from_documents
+from model.rope import rope_tables
 
 pytestmark = conftest_kernels.needs_compiled_gpu
 
@@ -31,8 +32,7 @@ def test_rope_bf16_llama3_shape_with_packed_documents():
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cu_seqlens = torch.tensor([0, 1000, 9000, 9001, TOKENS], dtype=torch.int32, device="cuda")
-    cos, sin = LlamaModel.rope(SimpleNamespace(cfg=cfg), positions_from_documents(cu_seqlens, 1, TOKENS),
-                               torch.bfloat16)
+    cos, sin = rope_tables(cfg, positions_from_documents(cu_seqlens, 1, TOKENS), torch.bfloat16)
     q = torch.randn(1, TOKENS, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, TOKENS, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dq, dk = torch.randn_like(q), torch.randn_like(k)

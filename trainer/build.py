@@ -10,9 +10,12 @@ from omegaconf import OmegaConf
 
 import kernels
 from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
+from conf.schema.model import ARCHITECTURE_KEYS, GROUP_DIR, MISSING, ModelConfig
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from model import Llama, LlamaConfig
+from model.hf_checkpoint import (ROPE_OVERRIDE_KEYS, is_lora, read_config, save_linked_model, unwrap_llama,
+                                 with_overrides)
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
@@ -22,22 +25,110 @@ from trainer.checkpoint_format import BASE_MODEL_DIR
 from trainer.console import script_command
 
 log = logging.getLogger(__name__)
-ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                     "rope_scaling", "tie_word_embeddings")
+
+
+def model_values(model_cfg) -> dict:
+    return OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+
+
+def group_values(name: str) -> dict:
+    """The model settings conf/model/<name>.yaml gives ({} for a name no group file has)."""
+    file = GROUP_DIR / f"{name}.yaml"
+    values = OmegaConf.to_container(OmegaConf.load(file)) if file.is_file() else {}
+    nested = values.get("model")           # a file in the global package sets model.* under `model:`
+    return nested if isinstance(nested, dict) else values
+
+
+def given_architecture(model_cfg: dict) -> dict:
+    """The architecture settings of `model_cfg` (a plain dict) that were given rather than left to the model
+    group or the schema: with model.path, these must agree with the checkpoint (or override its rope). A
+    value equal to the group's counts as the group's."""
+    group, defaults = group_values(model_cfg["name"]), ModelConfig()
+    return {key: model_cfg[key] for key in ARCHITECTURE_KEYS
+            if model_cfg[key] not in (None, MISSING) and model_cfg[key] != group.get(key, getattr(defaults, key))}
+
+
+def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:
+    """`base` with the rope settings of `values` that are not None; ConfigError when they are not valid."""
+    try:
+        return with_overrides(base, {key: values.get(key) for key in ROPE_OVERRIDE_KEYS})
+    except ValueError as error:
+        raise ConfigError(f"model.rope_theta / model.rope_scaling / model.max_position_embeddings: {error} "
+                          f"(docs/LONG_CONTEXT.md)") from None
 
 
 def architecture(model_cfg) -> LlamaConfig:
-    values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
-    return LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS})
+    """The architecture the model settings describe on their own (random init, a run's recorded config); rope
+    settings left None take LlamaConfig's defaults."""
+    values = model_values(model_cfg)
+    base = LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
+    return with_rope(base, {"rope_scaling": values["rope_scaling"]})
+
+
+def checkpoint_architecture(cfg) -> LlamaConfig:
+    """model.path's own architecture, as its config.json says."""
+    return read_config(Path(cfg.model.path).expanduser())
 
 
 def model_architecture(cfg) -> LlamaConfig:
-    """The architecture the model will have: the checkpoint's config.json, else the model group."""
-    if cfg.model.path:
-        from model.hf_checkpoint import read_config
-        return read_config(Path(cfg.model.path).expanduser())
-    return architecture(cfg.model)
+    """The architecture the model is built with: with model.path its config.json's, the rope settings given
+    (model.rope_theta, model.rope_scaling, model.max_position_embeddings) applied and any other architecture
+    setting given checked against it; else the model group's."""
+    if not cfg.model.path:
+        return architecture(cfg.model)
+    checkpoint = checkpoint_architecture(cfg)
+    given = given_architecture(model_values(cfg.model))
+    for key, value in given.items():
+        if key not in ROPE_OVERRIDE_KEYS and value != getattr(checkpoint, key):
+            raise ConfigError(f"model.{key}={value} differs from {getattr(checkpoint, key)} in model.path's "
+                              f"config.json ({cfg.model.path}): with model.path only model.rope_theta, "
+                              f"model.rope_scaling and model.max_position_embeddings change the architecture; "
+                              f"drop model.{key}")
+    return with_rope(checkpoint, given)
+
+
+def record_architecture(cfg) -> LlamaConfig:
+    """Write the architecture the model is built with into cfg.model (with model.path: the checkpoint's values
+    and the overrides, not the model group's), so that config.yaml, every checkpoint and W&B record it, and a
+    resume that would build another (a changed rope) is refused like a changed seq_len."""
+    arch = model_architecture(cfg)
+    for key in ARCHITECTURE_KEYS:
+        cfg.model[key] = getattr(arch, key)
+    return arch
+
+
+def rope_changes(arch: LlamaConfig, checkpoint: LlamaConfig) -> dict:
+    """The rope settings in which `arch` differs from `checkpoint` ({} for none)."""
+    return {key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS if getattr(arch, key) != getattr(checkpoint, key)}
+
+
+def context_summary(cfg) -> str:
+    """The startup summary's rope line: the rope built, what changed from model.path's, and when seq_len
+    goes beyond the checkpoint's context with its rope unchanged, the overrides that would extend it."""
+    arch = model_architecture(cfg)
+    scaling = ", ".join(f"{key} {value}" for key, value in (arch.rope_scaling or {}).items() if key != "rope_type")
+    line = (f"{arch.rope_type}{f' ({scaling})' if scaling else ''}, theta {arch.rope_theta:g}, "
+            f"max_position_embeddings {arch.max_position_embeddings}")
+    if not cfg.model.path:
+        return line
+    checkpoint = checkpoint_architecture(cfg)
+    changed = rope_changes(arch, checkpoint)
+    if changed:
+        line += f"; changed from model.path's: {', '.join(f'model.{key}' for key in changed)}"
+    context = checkpoint.max_position_embeddings
+    if cfg.seq_len <= context or {"rope_theta", "rope_scaling"} & set(changed):
+        return line
+    dim = arch.head_dim
+    theta = checkpoint.rope_theta * (cfg.seq_len / context) ** (dim / (dim - 2))     # NTK-aware base
+    return (line + f"; WARNING: seq_len={cfg.seq_len} is beyond model.path's max_position_embeddings {context} with "
+            f"its rope unchanged: to extend it, model.rope_scaling='{{rope_type: yarn, factor: "
+            f"{cfg.seq_len / context:g}, original_max_position_embeddings: {context}}}' "
+            f"model.max_position_embeddings={cfg.seq_len}, or model.rope_theta={theta:.3g} (docs/LONG_CONTEXT.md)")
+
+
+def trained_context(cfg) -> int | None:
+    """The context model.path was trained for (its max_position_embeddings); None for random init."""
+    return checkpoint_architecture(cfg).max_position_embeddings if cfg.model.path else None
 
 
 def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None) -> MemoryPlan:
@@ -123,8 +214,10 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     log.info("%s", plan.describe())
     kernels.set_backend(cfg.kernels, plan.attention_kernel, cfg.deterministic)
     dtype = plan.weights_dtype
+    arch = model_architecture(cfg)
     if cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device)
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
+                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
     else:
         if resumed:
@@ -133,21 +226,36 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
         else:
             log.warning("model.path is not set: %s starts from RANDOM weights (fine for benchmarks and the demo; "
                         "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
-        model = Llama.from_config(architecture(cfg.model), dtype=dtype, device=device)
+        model = Llama.from_config(arch, dtype=dtype, device=device)
+    model.train_rope_at(cfg.seq_len)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
     return Built(model, plan, policy)
 
 
+def extends_checkpoint(cfg) -> bool:
+    """Whether the model built changes model.path's rope (a context extension)."""
+    return bool(cfg.model.path) and bool(rope_changes(model_architecture(cfg), checkpoint_architecture(cfg)))
+
+
 def lora_base_path(cfg) -> str | None:
-    """Where the saved adapter's base lives: model.path, or for a random init the base_model/ directory the
-    run keeps (trainer.loop.keep_random_base); None when it keeps none."""
-    if cfg.model.path:
+    """Where the saved adapter's base lives: model.path; for a changed rope or a random init the base_model/
+    directory the run keeps (keep_extended_base, trainer.loop.keep_random_base), so that an adapter never
+    loads onto a base with another rope; None when it keeps none."""
+    if cfg.model.path and not extends_checkpoint(cfg):
         return str(Path(cfg.model.path).expanduser().resolve())
-    if cfg.checkpoint.save_random_base:
+    if cfg.model.path or cfg.checkpoint.save_random_base:
         return str(Path(cfg.output_dir).resolve() / BASE_MODEL_DIR)
     return None
+
+
+def keep_extended_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
+    """The base a LoRA adapter on a changed rope names (lora_base_path), once: model.path's files linked
+    beside a config.json of the architecture built, which transformers and peft then load with that rope."""
+    base_dir = run_dir / BASE_MODEL_DIR
+    if is_lora(model) and extends_checkpoint(cfg) and not base_dir.is_dir():
+        save_linked_model(Path(cfg.model.path).expanduser(), unwrap_llama(model).config.to_hf_dict(), base_dir)
 
 
 def lora_model(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:

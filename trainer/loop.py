@@ -27,7 +27,8 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.build import Built, build_model, checked_plan, count_parameters
+from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters, keep_extended_base,
+                           record_architecture, trained_context)
 from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
@@ -92,6 +93,7 @@ def train(cfg) -> dict:
     step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
+    record_architecture(cfg)
     preflight_data(cfg.data, cfg.model.path)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
@@ -129,6 +131,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     built = build_model(cfg, device, plan, resumed=loaded is not None)
     model = built.model
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
+    world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
@@ -160,6 +163,7 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
+        "rope": context_summary(cfg),
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
                   f"new run (resume={cfg.resume}; to continue it later: output_dir={run_dir})"),
@@ -248,7 +252,7 @@ def data_stream(cfg, vocab_size: int, world: World):
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
         return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
-                          held_out=cfg.eval.fraction)
+                          trained_context=trained_context(cfg), held_out=cfg.eval.fraction)
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()

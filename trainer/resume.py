@@ -7,6 +7,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from conf.errors import ConfigError
+from model.hf_checkpoint import HFCheckpointError
+from trainer.build import record_architecture
 from trainer.checkpoint_format import (BASE_MODEL_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs,
                                        step_of)
 from trainer.checkpoint_manager import CheckpointManager
@@ -30,9 +33,21 @@ def flatten(values, prefix: str = "") -> dict:
     return flat
 
 
+def as_built(saved_yaml: str):
+    """The checkpoint's config with the architecture its run built (trainer.build.record_architecture): runs
+    before it was recorded saved their model group's values beside model.path. As saved when it cannot be
+    resolved (model.path gone: a changed model.path is a difference anyway)."""
+    saved = OmegaConf.create(saved_yaml)
+    try:
+        record_architecture(saved)
+    except (ConfigError, HFCheckpointError, KeyError):
+        pass
+    return saved
+
+
 def config_differences(saved_yaml: str, cfg) -> list[str]:
     """'key: checkpoint X, now Y' for every run-defining setting that changed."""
-    saved = OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True)
+    saved = OmegaConf.to_container(as_built(saved_yaml), resolve=True)
     current = OmegaConf.to_container(cfg, resolve=True)
     before = flatten({key: saved.get(key) for key in RUN_DEFINING_KEYS})
     after = flatten({key: current.get(key) for key in RUN_DEFINING_KEYS})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from conf.errors import ConfigError
 
@@ -15,7 +15,8 @@ class ModelConfig:
     name: str = MISSING
     # Local Hugging Face checkpoint directory; None trains from random init (benchmarks, demos).
     path: Optional[str] = None
-    # Architecture, used for random init; with `path` set, the checkpoint's config.json decides.
+    # Architecture, used for random init (the model group sets it). With `path` the checkpoint's config.json
+    # decides: a key given that differs from it is an error, but for the three below.
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
@@ -23,11 +24,23 @@ class ModelConfig:
     num_attention_heads: int = MISSING
     num_key_value_heads: int = MISSING
     head_dim: Optional[int] = None
-    max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: Optional[Dict[str, Any]] = None
     tie_word_embeddings: bool = False
+    # The rope and context, in Hugging Face's keys; with `path` they override the checkpoint's (context
+    # extension: docs/LONG_CONTEXT.md). None: the checkpoint's, or for random init 500000.0, 8192 and none.
+    # rope_scaling as in config.json, e.g. {rope_type: yarn, factor: 8.0, original_max_position_embeddings: 8192}
+    # (typed Any: OmegaConf cannot set a dict from the command line on a null Dict-typed setting).
+    rope_theta: Optional[float] = None
+    max_position_embeddings: Optional[int] = None
+    rope_scaling: Any = None
+
+
+# Every architecture setting, in the order config.json has them.
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                     "rope_scaling", "tie_word_embeddings")
+# The model group files (conf/model/<name>.yaml).
+GROUP_DIR = Path(__file__).resolve().parents[1] / "model"
 
 
 def check_model(model_cfg) -> None:

@@ -1,0 +1,126 @@
+"""Every rope type transformers implements for Llama, against transformers' LlamaForCausalLM: the same
+checkpoint gives the same logits (fp32) at positions four times beyond its original context, in both
+config.json layouts (transformers 5's `rope_parameters`, the older `rope_scaling` with `type`)."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from model import Llama, LlamaConfig
+from model.hf_checkpoint import HFCheckpointError, read_config
+from model.rope import rope_frequencies
+
+ORIGINAL = 64           # the checkpoint's trained context
+LENGTH = 4 * ORIGINAL   # the positions compared: 0 .. LENGTH - 1
+HEAD_DIM = 16
+ROPES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    # transformers rescales dynamic NTK per forward from the longest position (max_seq_len_cached starts at
+    # max_position_embeddings = ORIGINAL). One unpacked sequence of LENGTH tokens is rescaled for LENGTH,
+    # which is the length our model computes it for (its input's, or the trainer's seq_len).
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "yarn-options": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+                     "attention_factor": 1.3, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+    # LongRoPE takes its long factors beyond the original context; its attention factor comes from
+    # max_position_embeddings / original_max_position_embeddings.
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL,
+                 "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
+                 "long_factor": [1.0 + 0.5 * i for i in range(HEAD_DIM // 2)]},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIGINAL},
+}
+TOKENS = torch.randint(0, 97, (1, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+def hf_model(rope_scaling) -> LlamaForCausalLM:
+    """A tiny transformers Llama whose attention is sharp (large q and k weights), so that a wrong rope
+    changes its logits; max_position_embeddings is the extended context for the scaled ropes."""
+    extended = rope_scaling is not None and rope_scaling["rope_type"] in ("yarn", "longrope", "llama3")
+    config = HFLlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                           max_position_embeddings=LENGTH if extended else ORIGINAL,
+                           rope_scaling=dict(rope_scaling) if rope_scaling else None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40.0)
+            layer.self_attn.k_proj.weight.mul_(40.0)
+    return model
+
+
+def hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def our_logits(model: Llama) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS) @ model.lm_head.weight.t()
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def older_layout(directory) -> None:
+    """config.json rewritten as transformers 4 wrote it: rope_theta beside `rope_scaling`, keyed `type`."""
+    config = json.loads((directory / "config.json").read_text())
+    parameters = config.pop("rope_parameters")
+    config["rope_theta"] = parameters.pop("rope_theta")
+    rope_type = parameters.pop("rope_type")
+    config["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **parameters}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("name", list(ROPES))
+def test_each_rope_type_matches_transformers_beyond_the_original_context(tmp_path, name):
+    hf = hf_model(ROPES[name])
+    hf.save_pretrained(tmp_path)
+    assert "rope_parameters" in json.loads((tmp_path / "config.json").read_text())
+    expected = hf_logits(hf)
+    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_type == (ROPES[name] or {"rope_type": "default"})["rope_type"]
+    assert max_difference(our_logits(ours), expected) <= 1e-5
+
+    older_layout(tmp_path)
+    again = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    assert again.config == ours.config
+    assert max_difference(our_logits(again), expected) <= 1e-5
+
+    # The comparison can fail: the same weights under the unscaled rope (or, for the default, another
+    # theta) give other logits.
+    wrong = {"rope_theta": 20000.0} if ROPES[name] is None else {"rope_scaling": {"rope_type": "default"}}
+    other = Llama.from_pretrained(tmp_path, dtype=torch.float32, overrides=wrong)
+    assert max_difference(our_logits(other), expected) > 1e-2
+
+
+def test_dynamic_and_longrope_are_computed_at_the_trained_length():
+    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length."""
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=ORIGINAL, rope_scaling=ROPES["dynamic"])
+    model = Llama.from_config(cfg)
+    short = model.model.rope(torch.arange(8)[None], torch.float32)[0]
+    model.train_rope_at(LENGTH)
+    fixed = model.model.rope(torch.arange(8)[None], torch.float32)[0]
+    inv_freq, _ = rope_frequencies(cfg, LENGTH)
+    angles = torch.arange(8).float()[:, None] * inv_freq
+    assert torch.equal(fixed[0, :, 0, : HEAD_DIM // 2], angles.cos())
+    assert not torch.equal(short, fixed)
+
+
+def test_an_unknown_rope_type_or_a_missing_parameter_is_named(tmp_path):
+    config = {"model_type": "llama", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "rope_scaling": {"rope_type": "ntk-by-parts", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="rope_type 'ntk-by-parts' is not one of default, linear"):
+        read_config(tmp_path)
+    config["rope_scaling"] = {"rope_type": "linear"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="does not define a linear rope: .*factor"):
+        read_config(tmp_path)
