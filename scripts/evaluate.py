@@ -80,7 +80,7 @@ def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
     if (checkpoint / ADAPTER_DIR).is_dir():
         return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg))[0]
-    return full_model(checkpoint, cfg, cfg.model.path and Path(cfg.model.path).expanduser())[0]
+    return full_model(checkpoint, cfg)[0]
 
 
 def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
