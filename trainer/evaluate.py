@@ -28,8 +28,8 @@ from data.held_out import held_out_data
 from data.passkey import PasskeyGrid, passkey_grid
 from data.tokenize import check_tokenizer_files, load_tokenizer
 from model import unwrap_llama
-from trainer.distributed import World, local_rank
 from offload.units import GIB
+from trainer.distributed import World, local_rank
 from trainer.metrics import reset_peak_memory, wait_for_device
 from trainer.step import autocast, supervised_correct
 
