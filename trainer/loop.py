@@ -42,6 +42,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
+from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -210,6 +211,7 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
     stream = data_stream(cfg, model.config.vocab_size, world)
+    evaluator = build_evaluator(cfg, model, device, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
@@ -220,13 +222,32 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
         checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.
-    return Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
-               scheduler=scheduler, stream=stream, progress=progress, checkpoints=checkpoints,
-               config_yaml=config_yaml, step_flops=flops,
-               guard=BadStepCounter(cfg.max_bad_steps, progress.skipped_steps),
-               bar=ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar and world.is_main),
-               metrics_log=metrics_log, wandb_run=wandb_run, last_checkpoint=loaded.path if loaded else None,
-               first_step=progress.step)
+    job = Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
+              scheduler=scheduler, stream=stream, progress=progress, checkpoints=checkpoints,
+              config_yaml=config_yaml, step_flops=flops,
+              guard=BadStepCounter(cfg.max_bad_steps, progress.skipped_steps),
+              bar=ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar and world.is_main),
+              metrics_log=metrics_log, wandb_run=wandb_run, last_checkpoint=loaded.path if loaded else None,
+              first_step=progress.step)
+    if evaluator:
+        start_evaluation(job, evaluator, resumed=loaded is not None)
+    return job
+
+
+def start_evaluation(job: Job, evaluator: Evaluator, resumed: bool) -> None:
+    """The base model's figures before the first step (eval.at_start; row 0 of metrics.jsonl, not again on a
+    resume), then an evaluation after every step that is due, added to that step's metrics."""
+    if evaluation := evaluate_at_start(job.cfg, evaluator, resumed=resumed):
+        if job.metrics_log:
+            job.metrics_log.write(0, evaluation)
+            log.info("%s", eval_line(0, evaluation))
+
+    def evaluate_after(job: Job, step: int, metrics: dict) -> None:
+        if evaluation := evaluator.after_step(step):
+            metrics.update(evaluation)
+            if job.metrics_log:
+                job.bar.write(eval_line(step, evaluation))
+    job.after_step.append(evaluate_after)
 
 
 def open_records(cfg, run_dir: Path, progress: Progress, built: Built, device: torch.device, world: World):
@@ -369,7 +390,7 @@ def data_stream(cfg, vocab_size: int, world: World):
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
         return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
-                          trained_context=trained_context(cfg))
+                          trained_context=trained_context(cfg), held_out=cfg.eval.fraction)
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()
