@@ -16,7 +16,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
-from trainer.checkpoint_format import CheckpointError  # noqa: E402
+from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
 

@@ -11,6 +11,7 @@ import typing
 from conf.errors import ConfigError
 from conf.schema import JobConfig
 from conf.schema.data import check_data
+from conf.schema.eval import check_eval
 from conf.schema.job import check_job
 from conf.schema.memory import check_memory, resolve_gpu_preset
 from conf.schema.model import check_model
@@ -36,6 +37,7 @@ def validate(cfg) -> str:
     check_memory(cfg.memory)
     resolve_gpu_preset(cfg.memory)
     check_data(cfg.data, cfg.seq_len, cfg.model.vocab_size, cfg.model.path)
+    check_eval(cfg)
     return training
 
 

@@ -24,13 +24,14 @@ def preflight_data(cfg: DataConfig, tokenizer_path: str | None) -> None:
 
 
 def build_data(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-               tokenizer_path: str | None = None, trained_context: int | None = None):
+               tokenizer_path: str | None = None, trained_context: int | None = None, held_out: float = 0.0):
     """The batch stream named by `cfg.name` (recall or files: conf checked it); tokenizer_path is the
     checkpoint directory (model.path), trained_context the context it was trained for (the data summary
-    reports how much of the data trains positions beyond it)."""
+    reports how much of the data trains positions beyond it); `held_out` (eval.fraction) of the files'
+    documents are left out."""
     if cfg.name == "recall":
         return RecallTask(cfg, seq_len, batch_size, seed, vocab_size)
-    return build_file_source(cfg, seq_len, batch_size, seed, vocab_size, tokenizer_path, trained_context)
+    return build_file_source(cfg, seq_len, batch_size, seed, vocab_size, tokenizer_path, trained_context, held_out)
 
 
 __all__ = ["Batch", "DataError", "IGNORE_INDEX", "RecallTask", "build_data", "preflight_data"]

@@ -8,6 +8,13 @@ import torch
 IGNORE_INDEX = -100
 
 
+def sequence_slice(seqlen: int, index: int, count: int) -> slice:
+    """The index-th of `count` equal slices of a sequence of `seqlen` tokens (sequence parallelism)."""
+    if seqlen % count:
+        raise ValueError(f"a sequence of {seqlen} tokens does not split into {count} equal slices")
+    return slice(index * seqlen // count, (index + 1) * seqlen // count)
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor              # [B, S] int64
@@ -22,10 +29,7 @@ class Batch:
     def shard(self, index: int, count: int) -> "Batch":
         """The index-th of `count` equal slices of the sequence (sequence parallelism): its tokens, labels
         and positions; cu_seqlens stay those of the whole sequence, which attention sees."""
-        seqlen = self.input_ids.shape[1]
-        if seqlen % count:
-            raise ValueError(f"a sequence of {seqlen} tokens does not split into {count} equal slices")
-        part = slice(index * seqlen // count, (index + 1) * seqlen // count)
+        part = sequence_slice(self.input_ids.shape[1], index, count)
         return Batch(self.input_ids[:, part], self.labels[:, part], self.position_ids[:, part], self.cu_seqlens)
 
     @property

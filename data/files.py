@@ -350,25 +350,49 @@ def log_positions_beyond(documents, seq_len: int, long_docs: str, context: int) 
                     context, seq_len, context)
 
 
-def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
-                      tokenizer_path: str, trained_context: int | None = None) -> PackedDocuments:
+def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_path: str):
+    """(documents, format, tokenizer) of the files at `path`, read and tokenized with the data.* options (the
+    tokenization cached)."""
     tokenizer = load_tokenizer(tokenizer_path)
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
-    source = resolve_source(cfg.path)
+    source = resolve_source(path)
     records = load_records(source, cfg)
-    fmt, field = record_format(cfg, records.column_names, cfg.path)
+    fmt, field = record_format(cfg, records.column_names, path)
     try:
         documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
     except RecordError as error:
         raise DataError(f"{record_name(source, cfg, error.record)}, {error.problem}") from None
-    long_docs = cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
+    return documents, fmt, tokenizer
+
+
+def long_docs_policy(cfg: DataConfig, fmt: str) -> str:
+    """data.long_docs, auto resolved by format: drop for chat (a cut-off reply), split for text."""
+    return cfg.long_docs if cfg.long_docs != "auto" else ("drop" if fmt == "chat" else "split")
+
+
+def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: int, batch_size: int,
+                     seed: int) -> PackedDocuments:
+    """The packed stream over tokenized `documents`, as data.* says."""
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    stream = PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs, pad_id)
+    return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs_policy(cfg, fmt), pad_id)
+
+
+def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
+                      tokenizer_path: str, trained_context: int | None = None,
+                      held_out: float = 0.0) -> PackedDocuments:
+    """The training stream. `held_out` (eval.fraction) leaves that fraction of the documents out
+    (data.held_out.split_documents), which changes the documents' content hash, so a resume with another
+    fraction is refused as other data."""
+    documents, fmt, tokenizer = tokenized_documents(cfg, cfg.path, vocab_size, tokenizer_path)
+    if held_out:
+        from data.held_out import split_documents
+        documents = documents.select(split_documents(len(documents), held_out)[0])
+    stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
     if warning := stream.stats.padding_warning():
         log.warning(warning)
     if trained_context is not None and trained_context < seq_len:
-        log_positions_beyond(documents, seq_len, long_docs, trained_context)
+        log_positions_beyond(documents, seq_len, long_docs_policy(cfg, fmt), trained_context)
     return stream
 
 

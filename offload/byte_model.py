@@ -31,6 +31,12 @@ from offload.units import GIB
 BACKWARD_ACTIVATIONS = 11.0
 # The loss phase: last hidden state (kept by the final norm), normed copy, its gradient.
 LOSS_ACTIVATIONS = 3.0
+# An evaluation's forward without grad (trainer.evaluate): live [tokens, hidden] activations at a layer's
+# fullest (its input, the normed input, q and its rotation, the attention output and its projection, the
+# residual sum) and one MLP tile's gate, up and product; the loss's final hidden state and its norm.
+EVAL_FORWARD_ACTIVATIONS = 7.0
+EVAL_MLP_TILE_INTERMEDIATES = 3
+EVAL_LOSS_ACTIVATIONS = 2.0
 # The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy_triton.DEFAULT_MEMORY_BUDGET + slack).
 LCE_WORKSPACE = 2 * GIB
 # Live [tile_tokens, intermediate] tensors in a tiled MLP's backward (gate, up, the product, its gradient,
@@ -188,6 +194,17 @@ def _layer_backward(shape: Shape, tile_tokens: int, attention_kernel: str) -> di
 def loss_bytes(shape: Shape) -> int:
     """The loss phase: its activations, the cross-entropy's workspace and the per-token labels and losses."""
     return int(LOSS_ACTIVATIONS * shape.activation) + LCE_WORKSPACE + shape.tokens * 8
+
+
+def eval_forward_bytes(shape: Shape, tile_tokens: int) -> int:
+    """An evaluation's transient, a forward without grad that keeps nothing: a decoder layer's forward (its
+    activations, the attention statistics, one MLP tile's intermediates) or the loss's, whichever is larger.
+    Each is counted below its training counterpart (the backward's and the loss with its gradient)."""
+    arch = shape.arch
+    layer = (int(EVAL_FORWARD_ACTIVATIONS * shape.activation) + shape.tokens * arch.num_attention_heads * 4
+             + EVAL_MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes)
+    loss = int(EVAL_LOSS_ACTIVATIONS * shape.activation) + LCE_WORKSPACE + shape.tokens * 8
+    return max(layer, loss)
 
 
 def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, attention_kernel: str,

@@ -18,7 +18,7 @@ import torch
 from kernels.attention import AttentionRoute
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
+                                eval_forward_bytes, full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
                                 sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
@@ -52,6 +52,9 @@ class MemoryPlan:
     attention_route: AttentionRoute = AttentionRoute()
     # The top layer is full at no cost: its bytes are not among the full layers' (offload.placement).
     top_layer_free: bool = False
+    # Predicted GPU peak of an evaluation (trainer.evaluate): what stays between steps (weights, trainable
+    # state, RoPE tables) and a forward without grad, with the same parallelism's buffers; below gpu_peak.
+    eval_peak: int = 0
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -124,7 +127,8 @@ class MemoryPlan:
                 + "\nsettings that would help:\n" + "\n".join(f"  - {a}" for a in self.advice))
 
 
-def _mlp_tiles(tokens: int, memory_cfg) -> int:
+def mlp_tiles(tokens: int, memory_cfg) -> int:
+    """MLP row tiles for `tokens` tokens: memory.mlp_tiles, else one per memory.mlp_tile_tokens."""
     if memory_cfg.mlp_tiles is not None:
         return max(1, memory_cfg.mlp_tiles)
     return max(1, math.ceil(tokens / memory_cfg.mlp_tile_tokens))
@@ -180,7 +184,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         trainable_gpu["bf16 non-layer gradients"] = trainable_gpu.pop("bf16 gradients")
     static = {"weights": frozen * shape.act_bytes if lora_on_gpu else frozen * 4, **trainable_gpu,
               "rope tables": 2 * shape.tokens * arch.head_dim * shape.act_bytes}
-    tiles = _mlp_tiles(shape.tokens, memory_cfg)
+    tiles = mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
                                 attention_kernel, sequence_parallel, one_process=ranks.world == 1)
     if sequence_parallel > 1:
@@ -208,8 +212,10 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
         gpu.update(kept.gpu)
         host.update(kept.host)
     gpu.update(transient)
+    buffers = sum(size for name, size in transient.items() if name.startswith(("sequence-parallel", "FSDP")))
+    eval_peak = sum(static.values()) + eval_forward_bytes(shape, -(-shape.tokens // tiles)) + buffers
     return MemoryPlan(placements, tiles, attention, gpu, host, capacity, shape, full_state=full_state,
-                      attention_route=attention_route, top_layer_free=top_full)
+                      attention_route=attention_route, top_layer_free=top_full, eval_peak=eval_peak)
 
 
 def _embedding_looked_up_again(train_cfg, sharded: bool) -> bool:

@@ -2,12 +2,15 @@
 
     python scripts/bench_train.py --seq-len 131072 --steps 3 [override ...] >> results.jsonl
     python scripts/bench_train.py --seq-len 32768 --peer        # transformers+peft+Liger+HF ckpt+save_on_cpu
+    python scripts/bench_train.py --seq-len 65536 --eval        # also time an evaluation of the same sequence
 
 Overrides are the trainer's Hydra overrides (default model=llama3_8b train=lora, random init, bf16 base).
 Each length runs in its own process so peak host memory (VmHWM) belongs to that length alone. The first
 step is a warm-up (Triton compilation, allocator growth) unless --steps 1; pinned buffers are allocated
 before it and timed apart. Reports tokens/s over the timed steps, MFU (6·N·T + 6·L·d·T² over the peak),
-peak GPU memory (allocated and reserved), peak host RSS and the planner's predictions.
+peak GPU memory (allocated and reserved), peak host RSS and the planner's predictions. --eval then runs
+trainer.evaluate's forward-only evaluation of the same sequence as many times (the first a warm-up too) and
+reports its times beside the step's, its GPU peak and the planner's eval_peak.
 """
 from __future__ import annotations
 
@@ -74,7 +77,10 @@ def build_ours(cfg):
     import kernels
     from conf.validate import validate
     from model import unwrap_llama
+    from data import Batch
     from trainer.build import build_model, checked_plan
+    from trainer.distributed import World
+    from trainer.evaluate import Evaluator
     from trainer.optim import build_optimizer
     from trainer.step import clip_gradients
 
@@ -103,7 +109,14 @@ def build_ours(cfg):
                      "mlp_tiles": plan.mlp_tiles, "full_state": plan.full_state, "gpu_peak_gib": plan.gpu_peak / GIB,
                      "attention_kernel": plan.attention_kernel,
                      "host_peak_gib": plan.host_peak / GIB}}
-    return lm.config, step, built.policy.stats, info
+    info["plan"]["eval_peak_gib"] = plan.eval_peak / GIB
+
+    def evaluate(input_ids, labels):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        batch = Batch(input_ids, labels, positions)
+        return Evaluator(model, device, World.single(), cfg.seq_len, [batch], None).evaluate()
+
+    return lm.config, step, built.policy.stats, info, evaluate
 
 
 def build_peer():
@@ -135,7 +148,20 @@ def build_peer():
         optimizer.step()
         return loss
 
-    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu"}
+    return arch, step, dict, {"stack": "transformers+peft+liger+hf-ckpt+save_on_cpu"}, None
+
+
+def eval_timings(evaluate, input_ids, labels, runs: int, step_seconds: float) -> dict:
+    """Times of `runs` evaluations of the benchmark's sequence (the first a warm-up unless alone), their
+    median against the step's, and the evaluation's GPU peak."""
+    times, peaks = [], []
+    for _ in range(runs):
+        figures = evaluate(input_ids, labels)
+        times.append(figures["eval/time_s"])
+        peaks.append(figures["eval/gpu_peak_gib"])
+        print(f"eval: {times[-1]:.2f} s loss {figures['eval/loss']:.4f}", file=sys.stderr, flush=True)
+    median = statistics.median(times[1:] if len(times) > 1 else times)
+    return {"eval_s": times, "eval_to_step": median / step_seconds, "eval_peak_gpu_allocated_gib": max(peaks)}
 
 
 def main() -> None:
@@ -147,8 +173,11 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="benchmark the HF/peft/Liger stack instead")
     parser.add_argument("--profile", action="store_true", help="profile the last step: its top CUDA kernels and GPU "
                                                                 "time by kind (scripts/step_profile.py)")
+    parser.add_argument("--eval", action="store_true", help="also time trainer.evaluate's forward-only evaluation")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer config")
     args = parser.parse_args()
+    if args.eval and args.peer:
+        parser.error("--eval times our evaluation: not with --peer")
 
     from offload.byte_model import parameter_counts
     from scripts.step_profile import device_kernels, kind_table, time_by_kind
@@ -158,7 +187,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = trainer_config(args.seq_len, args.overrides, args.train)
     gpu_memory_cap = cap_to_planned_gpu(cfg, torch.device("cuda"))
-    arch, step, offload_stats, info = build_peer() if args.peer else build_ours(cfg)
+    arch, step, offload_stats, info, evaluate = build_peer() if args.peer else build_ours(cfg)
     info |= {"overrides": args.overrides, "gpu_memory_cap": gpu_memory_cap}
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
     torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's
@@ -191,6 +220,8 @@ def main() -> None:
               "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
               "peak_host_gib": peak_host_gib(), "offload": copy, "profile_ms_by_kind": by_kind,
               "wall_s": time.perf_counter() - started}
+    if args.eval:       # after the step's peaks are read: an evaluation starts its own peak window
+        result["eval"] = eval_timings(evaluate, input_ids, labels, args.steps, seconds)
     print(json.dumps(result), flush=True)
 
 

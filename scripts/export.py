@@ -28,11 +28,11 @@ from model import Llama  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
-from trainer.build import model_architecture  # noqa: E402
-from trainer.checkpoint_format import (ADAPTER_DIR, BASE_MODEL_DIR, CONFIG_FILE, CheckpointError,  # noqa: E402
-                                       load_adapter, marker_problem)
-from trainer.disk_space import save_hf_model_if_room  # noqa: E402
-from trainer.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
+from trainer.build import BASE_MODEL_DIR, model_architecture  # noqa: E402
+from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
+from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
+                                       load_adapter)
+from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -102,7 +102,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     """Write `checkpoint` as a Hugging Face model into the new directory `out_dir`; `tokenizer`: a directory
     whose saved tokenizer replaces model.path's (the only one a random-init run can have)."""
     checkpoint = Path(checkpoint).expanduser()
-    problem = marker_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
+    problem = content_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
     if problem:
         raise ExportError(f"cannot export {checkpoint}: {problem}. Give a complete "
                           f"<run dir>/checkpoints/step-<N> directory.")

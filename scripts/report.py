@@ -4,11 +4,15 @@
 
 Writes report_loss.png, report_accuracy.png (when the run logged accuracy), report_throughput.png and
 report_memory.png, each titled with the run directory, and prints a one-paragraph summary. A metric that is
-zero throughout (e.g. pinned memory on a run that offloads nothing) is left out of its plot.
+zero throughout (e.g. pinned memory on a run that offloads nothing) is left out of its plot. A run that
+evaluated (eval.every_steps) also gets report_loss_by_position.png (held-out loss against token position,
+log scale, one curve per evaluation) and, with passkey figures, report_passkey.png (accuracy by haystack
+length and key depth: the first and the last probe).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +34,9 @@ PLOTS = {
 }
 # Drawn only when the run logged them (the others say "not measured in this run" instead).
 ONLY_WHEN_LOGGED = {"report_accuracy.png"}
+# trainer.evaluate's keys: loss of positions [from, to), passkey accuracy per haystack length and key depth (%).
+POSITION_KEY = re.compile(r"eval/loss_pos/(\d+)-(\d+)$")
+PASSKEY_KEY = re.compile(r"eval/passkey/(\d+)/(\d+)$")
 
 
 def run_records(run_dir: Path) -> list[dict]:
@@ -68,17 +75,74 @@ def figure(run_dir: Path, title: str, ylabel: str, lines: dict) -> plt.Figure:
     return drawing
 
 
+def position_curve(record: dict) -> tuple[list[int], list[float]]:
+    """(bucket end, loss) of an evaluation's loss by position, in position order."""
+    points = sorted((int(match[2]), value) for name, value in record.items()
+                    if (match := POSITION_KEY.match(name)) and value is not None)
+    return [end for end, _ in points], [value for _, value in points]
+
+
+def loss_by_position_figure(title: str, curves: dict[str, tuple[list[int], list[float]]]) -> plt.Figure:
+    """Loss against position (log scale), one curve per label (an evaluation's step), later ones darker."""
+    drawing, axes = plt.subplots(figsize=(8, 4.5))
+    colors = plt.get_cmap("viridis_r")
+    for index, (label, (ends, losses)) in enumerate(curves.items()):
+        axes.plot(ends, losses, marker="o", markersize=3, linewidth=1, label=label,
+                  color=colors(0.15 + 0.85 * index / max(len(curves) - 1, 1)))
+    axes.set_xscale("log", base=2)
+    axes.set(title=title, xlabel="token position in its document (end of bucket)", ylabel="held-out loss")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small", ncol=2)
+    return drawing
+
+
+def passkey_cells(record: dict) -> tuple[list[int], list[int], list[list[float]]]:
+    """(lengths, depths in %, accuracy[length][depth]) of an evaluation's passkey probe."""
+    cells = {(int(match[1]), int(match[2])): value for name, value in record.items()
+             if (match := PASSKEY_KEY.match(name))}
+    lengths, depths = sorted({length for length, _ in cells}), sorted({depth for _, depth in cells})
+    return lengths, depths, [[cells.get((length, depth), float("nan")) for depth in depths] for length in lengths]
+
+
+def passkey_figure(title: str, grids: dict[str, tuple[list[int], list[int], list[list[float]]]]) -> plt.Figure:
+    """One length x depth heatmap of passkey accuracy per label (an evaluation's step)."""
+    drawing, panels = plt.subplots(1, len(grids), figsize=(4.5 * len(grids) + 1, 4), squeeze=False)
+    for axes, (label, (lengths, depths, accuracy)) in zip(panels[0], grids.items()):
+        image = axes.imshow(accuracy, vmin=0, vmax=1, cmap="RdYlGn", origin="lower", aspect="auto")
+        axes.set_xticks(range(len(depths)), [f"{depth}%" for depth in depths])
+        axes.set_yticks(range(len(lengths)), [f"{length:,}" for length in lengths])
+        axes.set(title=label, xlabel="depth of the key", ylabel="haystack tokens")
+    drawing.colorbar(image, ax=panels[0].tolist(), label="exact-match accuracy")
+    drawing.suptitle(title)
+    return drawing
+
+
+def evaluation_figures(records: list[dict], run_dir: Path) -> dict[str, plt.Figure]:
+    """The loss by position of every evaluation and the first and last passkey heatmaps, where logged."""
+    drawn = {}
+    curves = {f"step {r['step']}": position_curve(r) for r in records if position_curve(r)[0]}
+    if curves:
+        title = f"Held-out loss by position: {run_dir.resolve()}"
+        drawn["report_loss_by_position.png"] = loss_by_position_figure(title, curves)
+    probed = [r for r in records if passkey_cells(r)[0]]
+    if probed:
+        chosen = {f"step {r['step']}": passkey_cells(r) for r in (probed[0], probed[-1])}
+        drawn["report_passkey.png"] = passkey_figure(f"Passkey retrieval: {run_dir.resolve()}", chosen)
+    return drawn
+
+
 def figures(records: list[dict], run_dir: Path) -> dict[str, plt.Figure]:
-    """PNG name -> figure, in PLOTS order."""
+    """PNG name -> figure, in PLOTS order, then the evaluation's."""
     drawn = {}
     for file_name, (title, ylabel, suffix, drop_zeros) in PLOTS.items():
         lines = logged_series(records, suffix, drop_zeros)
         if lines or file_name not in ONLY_WHEN_LOGGED:
             drawn[file_name] = figure(run_dir, title, ylabel, lines)
-    return drawn
+    return drawn | evaluation_figures(records, run_dir)
 
 
 def summary(records: list[dict]) -> str:
+    records = [record for record in records if "loss" in record] or records     # not an evaluation before step 1
     last = records[-1]
     _, speeds = series(records, "tokens_per_s")
     _, peaks = series(records, "gpu_peak_gib")

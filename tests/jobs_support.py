@@ -17,6 +17,7 @@ from conf.schema import register_configs
 from trainer.metrics import METRICS_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 90
 # The tiny model on a short recall task: a step takes well under a second on one CPU core.
 # On the CPU wherever the test runs, as in CI (a test that means the GPU says device=cuda after these).
 FAST = ["device=cpu", "seq_len=128", "batch_size=2", "data.num_pairs=4", "data.num_queries=2", "max_steps=6",
@@ -40,11 +41,17 @@ def job_config(run_dir: Path, *overrides: str):
         return compose("config", overrides=[*FAST, f"output_dir={run_dir}", *overrides])
 
 
-def start_training(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """train.py in a real child process (for signals), logging to <run_dir>.log."""
-    log = open(f"{run_dir}.log", "w")
+def start_training(run_dir: Path, *overrides: str, log_path: Path | None = None) -> subprocess.Popen:
+    """train.py in a real child process (for signals), logging to `log_path` (default <run_dir>.log)."""
+    log = open(log_path or f"{run_dir}.log", "w")
     return subprocess.Popen([sys.executable, "train.py", *FAST, f"output_dir={run_dir}", *overrides],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def train_process(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """train.py run to its end in a child process; its output (stdout and stderr) captured."""
+    return subprocess.run([sys.executable, "train.py", *FAST, f"output_dir={run_dir}", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=os.environ | {"OMP_NUM_THREADS": "1"})
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -59,9 +66,6 @@ def losses(run_dir: Path) -> list[float]:
 def checkpoint_weights(checkpoint: Path) -> dict:
     adapter = checkpoint / "adapter" / "adapter_model.safetensors"
     return load_file(adapter if adapter.is_file() else checkpoint / "model.safetensors")
-
-
-TIMEOUT_S = 90
 
 
 def wait_for(condition, what: str, process: subprocess.Popen | None = None) -> None:

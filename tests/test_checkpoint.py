@@ -13,13 +13,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import trainer.disk_space
-from tests.jobs_support import REPO, checkpoint_weights, job_config, records, single_torch_thread  # noqa: F401
+import trainer.checkpoint.disk_space
+from tests.jobs_support import (REPO, checkpoint_weights, job_config, records, single_torch_thread,  # noqa: F401
+                                train_process)
 from model import Llama
 from storage.atomic import atomic_directory
 from trainer.build import architecture
-from trainer.checkpoint_format import CheckpointError, load_adapter, marker_problem
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.format import CheckpointError, load_adapter, marker_problem
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train
 
 
@@ -50,7 +51,7 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
 
 def test_too_little_disk_is_a_clear_error_and_keeps_older_checkpoints(tmp_path, monkeypatch):
     train(job_config(tmp_path, "max_steps=2"))
-    monkeypatch.setattr(trainer.disk_space.shutil, "disk_usage",
+    monkeypatch.setattr(trainer.checkpoint.disk_space.shutil, "disk_usage",
                         lambda path: namedtuple("usage", "total used free")(10 ** 9, 10 ** 9, 10 ** 6))
     with pytest.raises(CheckpointError, match="not enough disk .* GiB are free"):
         train(job_config(tmp_path, "max_steps=3"))
@@ -63,12 +64,41 @@ def damage(checkpoint, how: str) -> None:
     elif how == "truncated":
         with open(checkpoint / "optimizer.pt", "r+b") as file:
             file.truncate(100)
-    else:   # same size, garbage content: only reading it shows the damage
+    elif how == "garbage":   # same size, garbage content: only reading it shows the damage
         weights = checkpoint / "model.safetensors"
         weights.write_bytes(b"\0" * weights.stat().st_size)
+    else:   # 4 KB overwritten in the middle of the weights: still loads, as other numbers; only the checksum tells
+        with open(checkpoint / "model.safetensors", "r+b") as file:
+            file.seek(file.seek(0, 2) // 2)
+            middle = file.read(4096)
+            file.seek(-len(middle), 1)
+            file.write(bytes(byte ^ 0xFF for byte in middle))
 
 
-@pytest.mark.parametrize("how", ["no marker", "truncated", "garbage"])
+def test_a_checkpoint_changed_in_place_is_set_aside_and_not_resumed_from(tmp_path):
+    run_dir = tmp_path / "run"
+    assert train_process(run_dir, "max_steps=2", "checkpoint.every_steps=1").returncode == 0
+    damage(run_dir / "checkpoints" / "step-2", "overwritten")
+    resumed = train_process(run_dir, "max_steps=3", "checkpoint.every_steps=1")
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert "model.safetensors does not match its crc32 checksum" in output
+    assert f"resumed from {run_dir}/checkpoints/step-1 at step 1/3" in output
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1", "step-2", "step-2.unreadable",
+                                                                          "step-3"]
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
+
+
+def test_a_checkpoint_saved_before_checksums_is_still_resumed_from_by_its_sizes(tmp_path, caplog):
+    train(job_config(tmp_path, "max_steps=2"))
+    marker = tmp_path / "checkpoints" / "step-2" / "COMPLETE"
+    marker.write_text(json.dumps({"files": json.loads(marker.read_text())["files"]}))
+    with caplog.at_level(logging.WARNING):
+        assert train(job_config(tmp_path, "max_steps=3"))["step"] == 3
+    assert "has no checksums" in caplog.text and "checked by file sizes only" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["no marker", "truncated", "garbage", "overwritten"])
 def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
     train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))
     damage(tmp_path / "checkpoints" / "step-2", how)
@@ -80,17 +110,19 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
 KILLED_DURING_SAVE = """
 import sys, time, torch
 sys.path.insert(0, {repo!r})
+import trainer.checkpoint.format as checkpoint_format
 from tests.jobs_support import job_config
 from trainer.loop import train
 
 torch.set_num_threads(1)
-real_save = torch.save
-def slow_save(obj, path, *args, **kwargs):
-    real_save(obj, path, *args, **kwargs)
+real_save = checkpoint_format.save_checksummed
+def slow_save(state, path):
+    checksum = real_save(state, path)
     if "step-2" in str(path):
         print("saving", flush=True)
         time.sleep(60)
-torch.save = slow_save
+    return checksum
+checkpoint_format.save_checksummed = slow_save
 train(job_config({run_dir!r}, "max_steps=3", "checkpoint.every_steps=1"))
 """
 

@@ -20,8 +20,8 @@ from scripts.export import export
 from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
 from tests.jobs_support import FAST, REPO, job_config, single_torch_thread  # noqa: F401
 from trainer.build import context_summary, record_architecture
-from trainer.checkpoint_format import ADAPTER_DIR, CheckpointError, load_adapter
-from trainer.resume import config_differences
+from trainer.checkpoint.format import ADAPTER_DIR, CheckpointError, load_adapter
+from trainer.checkpoint.resume import config_differences
 import trainer.loop
 from trainer.loop import train
 

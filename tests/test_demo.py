@@ -43,11 +43,16 @@ def test_batches_depend_only_on_seed_and_index():
 
 
 def test_tiny_model_learns_recall_well_above_chance(tmp_path):
-    """A short version of `python train.py`: chance accuracy is 1/32, loss ln(32) = 3.47."""
+    """A short version of `python train.py`: chance accuracy is 1/32, loss ln(32) = 3.47. The held-out
+    sequences (another seed) are learned as the training ones are."""
     cfg = job_config(tmp_path, "seq_len=160", "batch_size=8", "data.num_pairs=8", "data.repeats=6",
-                     "data.num_queries=8", "max_steps=150", "optim.warmup_steps=20", "optim.lr=1e-3")
+                     "data.num_queries=8", "max_steps=150", "optim.warmup_steps=20", "optim.lr=1e-3",
+                     "eval.every_steps=50", "eval.sequences=16")
     train(cfg)
-    last = records(tmp_path)[-10:]
+    trained = [r for r in records(tmp_path) if "loss" in r]
+    last = trained[-10:]
     accuracy = sum(r["accuracy"] for r in last) / len(last)
     loss = sum(r["loss"] for r in last) / len(last)
     assert accuracy > 0.5 and loss < math.log(32) / 2, (accuracy, loss)
+    held_out = [r["eval/accuracy"] for r in records(tmp_path) if "eval/accuracy" in r]
+    assert len(held_out) == 4 and held_out[0] < 0.1 and held_out[-1] > 0.5, held_out

@@ -57,7 +57,7 @@ def test_each_rank_gets_its_own_gpu_generator_back(monkeypatch, caplog):
     """The checkpoint holds every rank's GPU generator (the writing rank sees only its own GPU's advance);
     on the same world size rank r gets state r, on another none is restored, with a warning."""
     import torch
-    from trainer.rng_state import capture_rng_state, restore_rng_state
+    from trainer.checkpoint.rng_state import capture_rng_state, restore_rng_state
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])

@@ -15,7 +15,8 @@ from tests.data_support import save_tokenizer
 from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
 from model import Llama
 from scripts.export import ExportError, export
-from trainer.checkpoint_format import ADAPTER_DIR, load_adapter
+from storage.checksum import file_checksum
+from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
 from trainer.loop import train
 from model import unwrap_llama
 
@@ -159,6 +160,7 @@ def test_a_broken_base_is_one_line_not_a_traceback(pretrained_lora, hf_base, tmp
     config.write_text(config.read_text().replace(str(hf_base), str(base)))
     listing = json.loads(marker.read_text())        # a complete checkpoint whose model.path now names `base`
     listing["files"]["config.yaml"] = config.stat().st_size
+    listing["crc32"]["config.yaml"] = file_checksum(config)
     marker.write_text(json.dumps(listing))
     done = subprocess.run([sys.executable, "scripts/export.py", str(copy), str(tmp_path / "hf")], cwd=REPO,
                           capture_output=True, text=True)

@@ -18,7 +18,7 @@ from offload.policy import apply_memory_policy
 from offload.units import GIB
 from trainer.streamed_adamw import StreamedAdamW, update_units
 from trainer.optim import build_optimizer
-from trainer.sharded_state import load_sharded_state, save_sharded_state
+from trainer.checkpoint.sharded_state import load_sharded_state, save_sharded_state
 from trainer.step import train_step
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,

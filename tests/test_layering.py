@@ -1,7 +1,7 @@
 """The package layering (docs/ARCHITECTURE.md, "Layers"): every import of the project's own code points
-down or sideways-within-a-package, never up, from subpackages (kernels/attention/) as from the top; and no
-file imports one that imports it back. Parsed from the source, so an import inside a function counts as much
-as one at the top of a file."""
+down or sideways-within-a-package, never up; a subpackage (trainer/checkpoint/, kernels/attention/) is a layer inside
+its package, below every module that uses it; and no module imports itself back through others (no import
+cycle). Parsed from the source, so an import inside a function counts as much as one at the top of a file."""
 import ast
 from pathlib import Path
 
@@ -57,6 +57,89 @@ def test_no_import_points_up_or_across():
     assert layering_violations(project_modules()) == []
 
 
+def module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    return ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The project modules (dotted names in `known`) that `path` imports: `from a.b import c` names the module
+    a.b.c when there is one, else a.b; relative imports are resolved against path's package."""
+    own = module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [[alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + [base] * bool(base))
+            candidates = [[f"{base}.{alias.name}", base] for alias in node.names]
+        else:
+            continue
+        found |= {next(name for name in names if name in known) for names in candidates
+                  if any(name in known for name in names)}
+    return found - {own}
+
+
+def import_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
+    known = {module_name(path) for path in files}
+    return {module_name(path): imported_modules(path, known) for path in files}
+
+
+def reachable(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """Every module that `start`'s modules import, directly or through others."""
+    seen, todo = set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b -> a' for every module that imports itself back through others (each cycle once per module)."""
+    cycles = []
+    for module, targets in graph.items():
+        for target in sorted(targets):
+            if module in reachable(graph, {target}):
+                cycles.append(f"{module} -> {target} -> ... -> {module}")
+    return cycles
+
+
+def subpackages(files: list[Path]) -> set[str]:
+    """Packages inside a top-level package (trainer.checkpoint), by their __init__.py."""
+    return {module_name(path) for path in files if path.name == "__init__.py" and module_name(path).count(".") >= 1}
+
+
+def subpackage_violations(graph: dict[str, set[str]], subpackage: str) -> list[str]:
+    """The rule for a subpackage: of its parent package it may import only modules that do not use it,
+    directly or through others; so trainer/checkpoint/ never reaches up into the loop, the build or anything
+    else that stands on it."""
+    inside = {module for module in graph if module == subpackage or module.startswith(subpackage + ".")}
+    parent = subpackage.rpartition(".")[0]
+    users = {module for module in graph if module not in inside and reachable(graph, graph[module]) & inside}
+    return [f"{module} (in {subpackage}/) imports {target}, which uses {subpackage}"
+            for module in sorted(inside) for target in sorted(graph[module] - inside)
+            if target.startswith(parent + ".") and target in users]
+
+
+def test_no_import_cycle():
+    """E.g. model/llama.py loads checkpoints through model/hf_checkpoint.py, which never imports it back."""
+    assert import_cycles(import_graph(project_modules())) == []
+
+
+def test_a_subpackage_imports_nothing_of_its_package_that_uses_it():
+    graph = import_graph(project_modules())
+    assert "trainer.checkpoint" in subpackages(project_modules())
+    assert [problem for subpackage in subpackages(project_modules())
+            for problem in subpackage_violations(graph, subpackage)] == []
+
+
 @pytest.mark.parametrize("source, importer, expected", [
     ("from trainer.loop import train\n", "offload/x.py", 1),      # upward
     ("import data\n", "kernels/x.py", 1),                         # across the bottom layer
@@ -74,60 +157,36 @@ def test_the_check_catches_upward_imports(tmp_path, monkeypatch, source, importe
     assert len(layering_violations([path])) == expected
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def write_modules(root: Path, sources: dict[str, str]) -> list[Path]:
+    for name, source in sources.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source)
+    return [root / name for name in sources]
 
 
-def module_imports(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports (a package's __init__ counts for `from package import name`)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return found & modules
-
-
-def import_cycles(files: list[Path]) -> list[list[str]]:
-    """Each module that can reach itself through imports, with one such path."""
-    modules = {module_name(path): path for path in files}
-    graph = {name: module_imports(path, set(modules)) - {name} for name, path in modules.items()}
-    cycles = []
-    for start in sorted(graph):
-        paths, seen = [[start]], {start}
-        while paths:
-            path = paths.pop()
-            for target in sorted(graph[path[-1]]):
-                if target == start:
-                    cycles.append(path + [start])
-                elif target not in seen:
-                    seen.add(target)
-                    paths.append(path + [target])
-            if cycles and cycles[-1][0] == start:
-                break
-    return cycles
-
-
-def test_no_file_imports_one_that_imports_it_back():
-    """Every package, subpackages (kernels/attention/) included: e.g. model/llama.py loads checkpoints through
-    model/hf_checkpoint.py, which never imports it back; kernels/attention/route.py loads the implementations
-    on first use, and none imports the route or the package's __init__ back."""
-    assert import_cycles(project_modules()) == []
-
-
-@pytest.mark.parametrize("route_imports, cycle", [
-    ("def f():\n    import kernels.attention.function\n", {"kernels.attention.function", "kernels.attention.route"}),
-    ("from kernels.attention import support\n", {"kernels.attention", "kernels.attention.route"}),   # the __init__
-    ("import kernels.attention.support as support\n", None),
+@pytest.mark.parametrize("sources, expected", [
+    ({"trainer/a.py": "from trainer.b import x\n", "trainer/b.py": "def f():\n    import trainer.a\n"}, 2),
+    ({"trainer/a.py": "from trainer import b\n", "trainer/b.py": "from .c import y\n",
+      "trainer/c.py": "import trainer.a\n"}, 3),
+    ({"trainer/a.py": "from trainer.b import x\n", "trainer/b.py": "import trainer.c\n", "trainer/c.py": ""}, 0),
 ])
-def test_the_cycle_check_counts_imports_in_functions_and_a_packages_init(tmp_path, monkeypatch, route_imports, cycle):
+def test_the_check_catches_import_cycles(tmp_path, monkeypatch, sources, expected):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    files = {"kernels/attention/__init__.py": "from kernels.attention.route import attention\n",
-             "kernels/attention/route.py": route_imports, "kernels/attention/support.py": "import torch\n",
-             "kernels/attention/function.py": "from kernels.attention.route import attention\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    found = {frozenset(path) for path in import_cycles([tmp_path / name for name in files])}
-    assert found == ({frozenset(cycle)} if cycle else set())
+    assert len(import_cycles(import_graph(write_modules(tmp_path, sources)))) == expected
+
+
+@pytest.mark.parametrize("checkpoint_imports, expected", [
+    ("from trainer.loop import run\n", 1),          # up: the loop uses the subpackage
+    ("from trainer.console import say\n", 1),       # up through another module: console imports the loop
+    ("from trainer.metrics import log\n", 0),       # below it
+    ("from .format import Progress\n", 0),          # its own subpackage
+])
+def test_the_check_catches_a_subpackage_reaching_up(tmp_path, monkeypatch, checkpoint_imports, expected):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    files = write_modules(tmp_path, {
+        "trainer/__init__.py": "", "trainer/metrics.py": "", "trainer/console.py": "import trainer.loop\n",
+        "trainer/loop.py": "from trainer.checkpoint.manager import Manager\n",
+        "trainer/checkpoint/__init__.py": "", "trainer/checkpoint/format.py": "",
+        "trainer/checkpoint/manager.py": checkpoint_imports})
+    assert subpackages(files) == {"trainer.checkpoint"}
+    assert len(subpackage_violations(import_graph(files), "trainer.checkpoint")) == expected

@@ -7,6 +7,7 @@ import torch
 
 import trainer.loop
 from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
+from tests.test_checkpoint import damage
 from trainer.guard import BadStepsError, update_is_finite
 from trainer.loop import train
 
@@ -48,6 +49,21 @@ def test_consecutive_bad_steps_stop_the_job_pointing_at_the_last_good_checkpoint
     message = str(error.value)
     assert "3 consecutive steps (3-5" in message and str(tmp_path / "checkpoints" / "step-2") in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_the_last_good_checkpoint_named_is_one_whose_files_still_match_their_checksums(tmp_path, monkeypatch):
+    inject_nan(monkeypatch, {3, 4, 5})
+    poisoned_step, calls = trainer.loop.train_step, []
+
+    def step_after_damage(*args, **kwargs):     # step-2 changes on disk while the run diverges
+        calls.append(1)
+        if len(calls) == 4:
+            damage(tmp_path / "checkpoints" / "step-2", "overwritten")
+        return poisoned_step(*args, **kwargs)
+    monkeypatch.setattr(trainer.loop, "train_step", step_after_damage)
+    with pytest.raises(BadStepsError) as error:
+        train(job_config(tmp_path, "max_steps=6", "max_bad_steps=3", "checkpoint.every_steps=1"))
+    assert f"the last good checkpoint is {tmp_path / 'checkpoints' / 'step-1'} " in str(error.value)
 
 
 def test_update_is_finite():

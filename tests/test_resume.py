@@ -13,8 +13,8 @@ import trainer.loop
 from data import DataError
 from tests.data_support import checkpoint, text_file  # noqa: F401
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
-from trainer.checkpoint_format import CheckpointError
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.checkpoint.format import CheckpointError
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train
 from trainer.optim import lr_multiplier
 
@@ -83,6 +83,23 @@ def test_resume_refuses_a_changed_run_defining_setting(tmp_path):
     assert "seq_len: checkpoint 128, now 96" in message and "seed: checkpoint 0, now 1" in message
     assert "resume_force=true" in message
     assert train(job_config(tmp_path, "max_steps=3", "seed=1", "resume_force=true"))["step"] == 3
+
+
+@pytest.mark.parametrize("mode, change, setting", [
+    ("train=lora", "train.lora_r=8", "train.lora_r: checkpoint 16, now 8"),
+    ("train=full", "model.intermediate_size=256", "model.intermediate_size: checkpoint 384, now 256"),
+], ids=["lora_rank", "full_model_size"])
+def test_resume_force_refuses_a_changed_shape_in_one_line(tmp_path, mode, change, setting):
+    train(job_config(tmp_path, mode, "max_steps=2"))
+    before = checkpoint_weights(tmp_path / "checkpoints" / "step-2")
+    with pytest.raises(CheckpointError) as error:
+        train(job_config(tmp_path, mode, "max_steps=3", "resume_force=true", change))
+    message = str(error.value)
+    assert "\n" not in message and "does not fit this model" in message and "in the checkpoint" in message
+    assert setting in message and "resume_force covers data and schedule changes, not shapes" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
+    after = checkpoint_weights(tmp_path / "checkpoints" / "step-2")
+    assert all(torch.equal(before[name], after[name]) for name in before)
 
 
 def test_fresh_start_refuses_to_overwrite_existing_checkpoints(tmp_path):

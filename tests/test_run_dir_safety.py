@@ -1,15 +1,20 @@
 """A run never deletes or overwrites work in a run directory it did not resume from: unreadable checkpoints
-stop resume=auto instead of starting over, a new run refuses a directory holding another run's work, and
-checkpoints a resume skipped are set aside, not replaced or pruned."""
+stop resume=auto instead of starting over, a new run refuses a directory holding another run's work,
+checkpoints a resume skipped are set aside, not replaced or pruned, and a directory has one writer at a time
+(checked on real processes)."""
 from __future__ import annotations
 
 import shutil
+import signal
+import socket
 
 import pytest
+from omegaconf import OmegaConf
 
-from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
+from tests.jobs_support import (TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
+                                start_training, train_process, wait_for)
 from tests.test_checkpoint import damage
-from trainer.checkpoint_format import CheckpointError
+from trainer.checkpoint.format import CheckpointError
 from trainer.loop import train
 from trainer.metrics import METRICS_FILE
 
@@ -63,3 +68,44 @@ def test_a_checkpoint_skipped_by_resume_is_set_aside_not_replaced(tmp_path, how)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2.unreadable", "step-3"]
     assert snapshot(checkpoints / "step-2.unreadable") == damaged
     assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+
+
+def test_two_runs_started_together_on_a_new_output_dir_leave_one_writer(tmp_path):
+    """The second to reach the directory stops at once, naming the first, and writes nothing there."""
+    run_dir, logs = tmp_path / "run", {seed: tmp_path / f"seed{seed}.log" for seed in (1, 2)}
+    runs = {seed: start_training(run_dir, f"seed={seed}", "max_steps=100000", log_path=logs[seed]) for seed in logs}
+    try:
+        wait_for(lambda: any(run.poll() is not None for run in runs.values()), "one of the runs to stop")
+        loser = next(seed for seed, run in runs.items() if run.poll() is not None)
+        winner = runs[3 - loser]
+        wait_for(lambda: records(run_dir), "the other run's first step", winner)
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(TIMEOUT_S) == 0
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    output = logs[loser].read_text()
+    assert runs[loser].returncode == 2, output
+    refusal = [line for line in output.splitlines() if "in use by another run" in line]
+    assert len(refusal) == 1 and f"pid {winner.pid} on {socket.gethostname()}, started " in refusal[0]
+    assert f"output_dir={run_dir}" in refusal[0] and "Traceback" not in output
+    steps = [r["step"] for r in records(run_dir)]
+    assert steps == list(range(1, len(steps) + 1))
+    checkpoint = run_dir / "checkpoints" / f"step-{steps[-1]}"
+    seeds = [OmegaConf.load(path).seed for path in (run_dir / "config.yaml", checkpoint / "config.yaml")]
+    assert seeds == [3 - loser] * 2
+    assert "in use" not in (run_dir / "train.log").read_text()
+
+
+def test_a_killed_runs_lock_does_not_block_the_next_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_training(run_dir, "max_steps=100000", "checkpoint.every_steps=1")
+    wait_for(lambda: (run_dir / "checkpoints" / "step-2").is_dir(), "the first run's checkpoint", first)
+    first.send_signal(signal.SIGKILL)
+    first.wait(TIMEOUT_S)
+    assert f'"pid": {first.pid}' in (run_dir / "run.lock").read_text()   # what it left: not a lock
+    resumed = train_process(run_dir, "max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert records(run_dir)[-1]["step"] == 4

@@ -10,7 +10,7 @@ import time
 
 from tests.jobs_support import (REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
                           start_training, wait_for)
-from trainer.checkpoint_format import marker_problem
+from trainer.checkpoint.format import marker_problem
 from trainer.loop import train
 from trainer.signals import StopSignals
 

@@ -24,10 +24,13 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
 from offload.units import GIB
 from offload.policy import MemoryPolicy, apply_memory_policy
-from trainer.checkpoint_format import BASE_MODEL_DIR
 from trainer.console import script_command
 
 log = logging.getLogger(__name__)
+
+# In the run directory, not per checkpoint: the base of a LoRA run that export cannot find elsewhere (a random
+# init, or model.path's files with the run's rope), kept once.
+BASE_MODEL_DIR = "base_model"
 
 
 def model_values(model_cfg) -> dict:

@@ -30,11 +30,15 @@ class BadStepCounter:
             self.skipped += 1
             self.consecutive += 1
 
-    def stop_if_exhausted(self, step: int, last_checkpoint: Path | None) -> None:
-        if self.consecutive < self.limit:
-            return
-        where = (f"the last good checkpoint is {last_checkpoint} (resume=<that path>, perhaps with a lower "
-                 f"optim.lr)" if last_checkpoint else "no checkpoint was written yet")
+    @property
+    def exhausted(self) -> bool:
+        return self.consecutive >= self.limit
+
+    def stop(self, step: int, last_good: Path | None) -> None:
+        """Raise BadStepsError after `step`, naming `last_good`: a checkpoint whose files were verified
+        against their checksums (CheckpointManager.last_good), or None when there is none."""
+        where = (f"the last good checkpoint is {last_good} (resume=<that path>, perhaps with a lower "
+                 f"optim.lr)" if last_good else "no verified checkpoint was written yet")
         raise BadStepsError(
             f"loss or gradients were NaN/Inf for {self.consecutive} consecutive steps "
             f"({step - self.consecutive + 1}-{step}; limit max_bad_steps={self.limit}); none of them was "

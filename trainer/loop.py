@@ -1,18 +1,24 @@
 """The training loop: config in, trained model and a run directory out.
 
-Run directory (output_dir): config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/, and for
-LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
-trainer.checkpoint_manager (crash-safe checkpoints), trainer.resume (which one to continue from),
+Run directory (output_dir): run.lock, config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/,
+and for LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
+trainer.checkpoint.manager (crash-safe checkpoints), trainer.checkpoint.resume (which one to continue from),
 trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and
 trainer.console (what is recorded and shown).
+
+A job runs in three parts: start_job (resume, build, restore) returns a Job holding what the steps need,
+run_steps trains (each step: run_step, the hooks of Job.after_step, record_step, checkpoint_after), and
+finish_job closes the records and shows the end summary.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -26,25 +32,30 @@ from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
+from storage.lock import DirectoryLock, LockHeld
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters, keep_extended_base,
-                           record_architecture, trained_context)
-from trainer.checkpoint_format import BASE_MODEL_DIR, Progress
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.build import (BASE_MODEL_DIR, Built, build_model, checked_plan, context_summary, count_parameters,
+                           keep_extended_base, record_architecture, trained_context)
+from trainer.checkpoint.disk_space import save_hf_model_if_room
+from trainer.checkpoint.format import Progress
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
-from trainer.disk_space import save_hf_model_if_room
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
+from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.resume import checkpoint_to_resume, keep_started_warmup
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
 from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
+
+# In the run directory: held by the run writing there (one_writer).
+RUN_LOCK = "run.lock"
 
 
 def seed_everything(seed: int) -> None:
@@ -59,6 +70,29 @@ def create_run_dir(run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
+
+
+@contextlib.contextmanager
+def one_writer(run_dir: Path, world: World):
+    """While open, rank 0 holds the run directory's lock (storage.lock), taken before anything is written
+    there: a second run on the same output_dir stops with one line naming the holder."""
+    lock = DirectoryLock(run_dir / RUN_LOCK)
+    world.on_main(lambda: take_run_dir(lock, run_dir))
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def take_run_dir(lock: DirectoryLock, run_dir: Path) -> None:
+    try:
+        lock.acquire()
+    except LockHeld as held:
+        raise ConfigError(f"output_dir={run_dir} is in use by another run ({held}): wait for it to end, or give "
+                          f"another output_dir") from None
+    except OSError as error:
+        raise ConfigError(f"output_dir={run_dir} cannot be locked for this run ({error.strerror}): give an "
+                          f"output_dir on a filesystem with file locks (docs/JOBS.md)") from None
 
 
 def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
@@ -106,10 +140,37 @@ def train(cfg) -> dict:
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
         world.on_main(lambda: create_run_dir(run_dir))
-        with logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
+        with one_writer(run_dir, world), logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
             return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
     finally:
         close_world(world)
+
+
+@dataclasses.dataclass
+class Job:
+    """A started job: what its steps need, built by start_job, run by run_steps, closed by finish_job."""
+    cfg: Any
+    world: World
+    device: torch.device
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    stream: Any
+    progress: Progress
+    checkpoints: CheckpointManager
+    config_yaml: str
+    step_flops: float
+    guard: BadStepCounter
+    bar: ProgressBar
+    metrics_log: MetricsLog | None     # rank 0 only, as wandb_run
+    wandb_run: Any
+    last_checkpoint: Path | None
+    first_step: int
+    # Called as hook(job, step, metrics) on every rank after each step, before its metrics are recorded (a
+    # hook may add to them) and its checkpoint decision: the one place evaluation and other per-step work
+    # plug in (docs/JOBS.md, "Metrics").
+    after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
 
 
 def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
@@ -117,6 +178,20 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     """The job of a validated `cfg` whose plan fits and whose run directory exists: resume or start, build,
     train, checkpoint; returns the last step's metrics. Rank 0 alone writes the run directory (but for the
     checkpoints, which every rank writes a part of), the metrics and W&B."""
+    job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+    completed = False
+    try:
+        record = run_steps(job)
+        completed = True
+    finally:
+        finish_job(job, completed)
+    return record
+
+
+def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
+              world: World) -> Job:
+    """Choose the checkpoint to resume, write config.yaml, build the model, data, optimizer and records, and
+    restore the checkpoint's state last (so the RNG streams continue exactly where it left them)."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = checkpoint_to_resume(cfg, checkpoints, world.is_main)
     world.barrier()     # every rank has chosen before rank 0 writes anything a choice looks at
@@ -135,19 +210,63 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
     stream = data_stream(cfg, model.config.vocab_size, world)
+    evaluator = build_evaluator(cfg, model, device, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
-    wandb_run = None
-    if world.is_main:
-        wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
-                               progress.wandb_run_id)
+    wandb_run, metrics_log = open_records(cfg, run_dir, progress, built, device, world)
+    flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
+    if loaded:
+        check_same_shapes(loaded, model, cfg)
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
+    checkpoints.restart_interval(progress.step)
+    # The loaded copy of the weights and optimizer state is freed when this returns, before training.
+    job = Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
+              scheduler=scheduler, stream=stream, progress=progress, checkpoints=checkpoints,
+              config_yaml=config_yaml, step_flops=flops,
+              guard=BadStepCounter(cfg.max_bad_steps, progress.skipped_steps),
+              bar=ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar and world.is_main),
+              metrics_log=metrics_log, wandb_run=wandb_run, last_checkpoint=loaded.path if loaded else None,
+              first_step=progress.step)
+    if evaluator:
+        start_evaluation(job, evaluator, resumed=loaded is not None)
+    return job
+
+
+def start_evaluation(job: Job, evaluator: Evaluator, resumed: bool) -> None:
+    """The base model's figures before the first step (eval.at_start; row 0 of metrics.jsonl, not again on a
+    resume), then an evaluation after every step that is due, added to that step's metrics."""
+    if evaluation := evaluate_at_start(job.cfg, evaluator, resumed=resumed):
+        if job.metrics_log:
+            job.metrics_log.write(0, evaluation)
+            log.info("%s", eval_line(0, evaluation))
+
+    def evaluate_after(job: Job, step: int, metrics: dict) -> None:
+        if evaluation := evaluator.after_step(step):
+            metrics.update(evaluation)
+            if job.metrics_log:
+                job.bar.write(eval_line(step, evaluation))
+    job.after_step.append(evaluate_after)
+
+
+def open_records(cfg, run_dir: Path, progress: Progress, built: Built, device: torch.device, world: World):
+    """Rank 0's W&B run (continuing the checkpoint's, whose id `progress` then keeps) and metrics log;
+    (None, None) on the other ranks."""
+    if not world.is_main:
+        return None, None
+    wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
+                           progress.wandb_run_id)
     if wandb_run:
         progress.wandb_run_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir, progress.step, wandb_run) if world.is_main else None
-    if metrics_log:
-        add_memory_engine_sources(metrics_log, built, device)
+    metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
+    add_memory_engine_sources(metrics_log, built, device)
+    return wandb_run, metrics_log
 
+
+def summarize_start(cfg, training: str, device: torch.device, built: Built, run_dir: Path, world: World, loaded,
+                    progress: Progress, wandb_run) -> float:
+    """Show the startup summary; returns the FLOPs of one step (of all ranks), for the MFU."""
+    model = built.model
     trainable, total = count_parameters(model)
     sequences = cfg.batch_size * cfg.optim.grad_accum_steps * world.data_parallel
     flops = step_flops(total, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len, sequences)
@@ -167,65 +286,93 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
         "memory plan": planned_memory(built.plan, device),
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
-    if loaded:
-        # Last, so the RNG streams continue exactly where the checkpoint left them.
-        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
+    return flops
 
-    guard = BadStepCounter(cfg.max_bad_steps, progress.skipped_steps)
-    checkpoints.restart_interval(progress.step)
-    last_checkpoint = loaded.path if loaded else None
-    del loaded      # applied: free its copy of the weights and optimizer state before training
-    first_step = progress.step
-    bar = ProgressBar(first_step, cfg.max_steps, cfg.logger.progress_bar and world.is_main)
-    record, exit_code = {"step": progress.step}, 1
-    try:
-        with StopSignals() as stop:
-            for step in range(progress.step + 1, cfg.max_steps + 1):
-                started = time.perf_counter()
-                micro_batches = next_micro_batches(stream, cfg.optim.grad_accum_steps, world)
-                data_wait = time.perf_counter() - started
-                lr = scheduler.get_last_lr()[0]
-                reset_peak_memory(device)
-                result = train_step(model, micro_batches, optimizer, scheduler, cfg.optim.grad_clip, device, world)
-                wait_for_device(device)
-                step_time = time.perf_counter() - started
-                guard.record(result.applied)
-                progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
-                progress.skipped_steps = guard.skipped
-                # Every rank takes part in the reductions; rank 0 records. Memory is the highest rank's.
-                metrics = {
-                    "loss": result.loss, "accuracy": result.accuracy, "lr": lr, "grad_norm": result.grad_norm,
-                    "applied": result.applied, "tokens_seen": progress.tokens_seen,
-                    "skipped_steps": guard.skipped, "tokens_per_s": result.tokens / step_time,
-                    "mfu": model_flops_utilization(flops / world.size, step_time, device, cfg.logger.peak_tflops),
-                    "step_time_s": step_time, "data_wait_s": data_wait, **world.max(memory_metrics(device))}
-                if metrics_log:
-                    record = metrics_log.write(step, metrics)
-                    bar.update(record)
-                    if step % cfg.log_every == 0 or step == cfg.max_steps or not result.applied:
-                        bar.write(bar.step_line(record))
-                guard.stop_if_exhausted(step, last_checkpoint)
-                # Decided together, read once: a signal to any rank stops all after this same step; one
-                # arriving later is served after the next step.
-                stopping, due = world.any([stop.requested, checkpoints.due(step)])
-                # A skipped step left the weights untouched, so saving after it is safe; periodic saves
-                # still wait for a good step, so "the last checkpoint" is never taken mid-divergence.
-                if stopping or step == cfg.max_steps or (result.applied and due):
-                    saving = time.perf_counter()
-                    last_checkpoint = checkpoints.save(model, optimizer, scheduler, stream, progress, config_yaml,
-                                                       world)
-                    bar.write(f"checkpoint {last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
-                if stopping:
-                    bar.write(f"stopped by signal after step {step}; continue with output_dir={run_dir}")
-                    break
-        exit_code = 0
-    finally:
-        bar.close()
-        if wandb_run:
-            wandb_run.finish(exit_code)
-    if world.is_main:
-        end_summary(run_dir, first_step, cfg.max_steps, last_checkpoint)
+
+def run_steps(job: Job) -> dict:
+    """Train from the job's step to max_steps, or until a stop signal (then checkpoint and return); returns
+    the last step's record (rank 0; the others return the starting step)."""
+    record = {"step": job.progress.step}
+    with StopSignals() as stop:
+        for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
+            applied, metrics = run_step(job, step)
+            for hook in job.after_step:
+                hook(job, step, metrics)
+            if job.metrics_log:
+                record = record_step(job, step, applied, metrics)
+            if job.guard.exhausted:
+                job.guard.stop(step, last_good_checkpoint(job))
+            if checkpoint_after(job, step, applied, stop.requested):
+                break
     return record
+
+
+def last_good_checkpoint(job: Job) -> Path | None:
+    """The newest checkpoint of the job whose files still match their checksums, checked by rank 0 alone."""
+    world = job.world
+    return world.main_value(job.checkpoints.last_good(job.last_checkpoint) if world.is_main else None)
+
+
+def run_step(job: Job, step: int) -> tuple[bool, dict]:
+    """One training step on every rank: its micro-batches, the update, the guard's count, the progress;
+    returns whether the update was applied and the step's metrics (memory: the highest rank's)."""
+    cfg, world, device = job.cfg, job.world, job.device
+    started = time.perf_counter()
+    micro_batches = next_micro_batches(job.stream, cfg.optim.grad_accum_steps, world)
+    data_wait = time.perf_counter() - started
+    lr = job.scheduler.get_last_lr()[0]
+    reset_peak_memory(device)
+    result = train_step(job.model, micro_batches, job.optimizer, job.scheduler, cfg.optim.grad_clip, device, world)
+    wait_for_device(device)
+    step_time = time.perf_counter() - started
+    job.guard.record(result.applied)
+    progress = job.progress
+    progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
+    progress.skipped_steps = job.guard.skipped
+    return result.applied, {
+        "loss": result.loss, "accuracy": result.accuracy, "lr": lr, "grad_norm": result.grad_norm,
+        "applied": result.applied, "tokens_seen": progress.tokens_seen,
+        "skipped_steps": job.guard.skipped, "tokens_per_s": result.tokens / step_time,
+        "mfu": model_flops_utilization(job.step_flops / world.size, step_time, device, cfg.logger.peak_tflops),
+        "step_time_s": step_time, "data_wait_s": data_wait, **world.max(memory_metrics(device))}
+
+
+def record_step(job: Job, step: int, applied: bool, metrics: dict) -> dict:
+    """On rank 0: write the step's metrics (metrics.jsonl, W&B), move the bar and log every log_every steps;
+    returns the record written."""
+    record = job.metrics_log.write(step, metrics)
+    job.bar.update(record)
+    if step % job.cfg.log_every == 0 or step == job.cfg.max_steps or not applied:
+        job.bar.write(job.bar.step_line(record))
+    return record
+
+
+def checkpoint_after(job: Job, step: int, applied: bool, stop_requested: bool) -> bool:
+    """Checkpoint after `step` when a stop was asked for, at the last step, or when one is due after a good
+    step; returns whether the job stops here."""
+    # Decided together, read once: a signal to any rank stops all after this same step; one arriving later
+    # is served after the next step.
+    stopping, due = job.world.any([stop_requested, job.checkpoints.due(step)])
+    # A skipped step left the weights untouched, so saving after it is safe; periodic saves still wait for a
+    # good step, so "the last checkpoint" is never taken mid-divergence.
+    if stopping or step == job.cfg.max_steps or (applied and due):
+        saving = time.perf_counter()
+        job.last_checkpoint = job.checkpoints.save(job.model, job.optimizer, job.scheduler, job.stream, job.progress,
+                                                   job.config_yaml, job.world)
+        job.bar.write(f"checkpoint {job.last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
+    if stopping:
+        job.bar.write(f"stopped by signal after step {step}; continue with output_dir={job.run_dir}")
+    return stopping
+
+
+def finish_job(job: Job, completed: bool) -> None:
+    """Close the bar and the W&B run (exit code 0 when the steps `completed`, 1 after an error), then, when
+    completed, rank 0 shows the end summary."""
+    job.bar.close()
+    if job.wandb_run:
+        job.wandb_run.finish(0 if completed else 1)
+    if completed and job.world.is_main:
+        end_summary(job.run_dir, job.first_step, job.cfg.max_steps, job.last_checkpoint)
 
 
 def agreed_capacity(cfg, device: torch.device, world: World) -> Capacity:
@@ -242,7 +389,7 @@ def data_stream(cfg, vocab_size: int, world: World):
     files into the datasets cache) and the others then read that cache instead of tokenizing again."""
     def build():
         return build_data(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed, vocab_size, tokenizer_path=cfg.model.path,
-                          trained_context=trained_context(cfg))
+                          trained_context=trained_context(cfg), held_out=cfg.eval.fraction)
     first = local_rank() == 0
     stream = build() if first else None
     world.barrier()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conf.schema.data import DataConfig
+from conf.schema.eval import EvalConfig, PasskeyConfig
 from conf.schema.job import CheckpointConfig, LoggerConfig, WandbConfig
 from conf.schema.memory import MemoryConfig
 from conf.schema.model import MISSING, ModelConfig
@@ -48,6 +49,8 @@ class JobConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Several processes (torchrun): the sequence-parallel degree, data parallel beyond it.
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Held-out loss, loss by position and passkey retrieval, during training and by scripts/evaluate.py.
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:
@@ -55,5 +58,5 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
 
 
-__all__ = ["CheckpointConfig", "DataConfig", "JobConfig", "LoggerConfig", "MemoryConfig", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "TrainConfig", "WandbConfig", "register_configs"]
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "JobConfig", "LoggerConfig", "MemoryConfig", "ModelConfig",
+           "OptimConfig", "ParallelConfig", "PasskeyConfig", "TrainConfig", "WandbConfig", "register_configs"]

@@ -1,4 +1,4 @@
-"""The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint_format): when
+"""The checkpoints of one run, <run dir>/checkpoints/step-<N>/ (format: trainer.checkpoint.format): when
 the next periodic one is due, writing one crash-safely, keeping the newest keep_last, and reading and
 restoring one. Only complete checkpoints are ever deleted, and only by keep_last.
 
@@ -17,14 +17,14 @@ import torch
 
 from model.hf_checkpoint import is_lora
 from storage.atomic import TEMP_PREFIX, atomic_directory, fresh_temp_directory, publish_directory
-from trainer.checkpoint_format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
-                                       complete_checkpoints, read_checkpoint, step_dir, step_dirs, step_of,
-                                       write_checkpoint, write_complete_marker)
-from trainer.disk_space import check_free_disk, checkpoint_size
-from trainer.optim import continue_schedule
+from trainer.checkpoint.disk_space import check_free_disk, checkpoint_size
+from trainer.checkpoint.format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
+                                       complete_checkpoints, content_problem, read_checkpoint, step_dir, step_dirs,
+                                       step_of, write_checkpoint, write_complete_marker)
+from trainer.checkpoint.rng_state import restore_rng_state
+from trainer.checkpoint.sharded_state import load_full_state, load_sharded_state
 from trainer.distributed import World
-from trainer.rng_state import restore_rng_state
-from trainer.sharded_state import load_full_state, load_sharded_state
+from trainer.optim import continue_schedule
 from trainer.sharding import is_sharded
 
 log = logging.getLogger(__name__)
@@ -73,13 +73,13 @@ class CheckpointManager:
         size = checkpoint_size(model, optimizer)
         world.on_main(lambda: self._prepare(size))
         if world.distributed:
-            self._write_together(final, world, lambda temp: write_checkpoint(
+            checksums = self._write_together(final, world, lambda temp: write_checkpoint(
                 temp, model, optimizer, scheduler, data, progress, config_yaml, world))
         else:
             with atomic_directory(final) as temp:
-                write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
+                checksums = write_checkpoint(temp, model, optimizer, scheduler, data, progress, config_yaml)
         # No rank goes on (to a resume, or the next save) before the checkpoint is complete.
-        world.on_main(lambda: self._complete(final))
+        world.on_main(lambda: self._complete(final, checksums))
         self.restart_interval(progress.step)
         return final
 
@@ -89,18 +89,19 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)    # left by a save that was killed
         check_free_disk(self.root, size)
 
-    def _complete(self, final: Path) -> None:
-        write_complete_marker(final)
+    def _complete(self, final: Path, checksums: dict[str, str]) -> None:
+        write_complete_marker(final, checksums)
         self.prune()
 
     @staticmethod
-    def _write_together(final: Path, world: World, write) -> None:
+    def _write_together(final: Path, world: World, write) -> dict[str, str]:
         """Every rank `write`s into one temporary directory that rank 0 made; rank 0 publishes it when all
-        have written."""
+        have written. Returns what `write` returned (the checksums it computed)."""
         temp = world.main_value(fresh_temp_directory(final, "ranks") if world.is_main else None)
-        write(temp)
+        checksums = write(temp)
         world.barrier()
         world.on_main(lambda: publish_directory(temp, final))
+        return checksums
 
     def prune(self) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). A directory that is not a
@@ -128,6 +129,15 @@ class CheckpointManager:
     def complete(self) -> list[Path]:
         """The complete checkpoints under `root`, oldest first."""
         return complete_checkpoints(self.root)
+
+    def last_good(self, last: Path | None) -> Path | None:
+        """`last` (the checkpoint this job last wrote or resumed from) if its files still match their
+        checksums, else the newest older checkpoint of this run directory that does; None when none does.
+        Reads every byte of the checkpoints it checks: for the message of a job that stops."""
+        if last is None:
+            return None
+        older = [d for d in reversed(self.complete()) if step_of(d) < step_of(last)]
+        return next((d for d in [last, *older] if content_problem(d) is None), None)
 
     def read(self, path: Path) -> LoadedCheckpoint:
         """The checkpoint at `path`, which may belong to another run; CheckpointError if anything is off."""
@@ -198,6 +208,16 @@ class CheckpointManager:
         optimizer.load_state_dict(loaded.optimizer)
 
 
+def shape_differences(loaded: LoadedCheckpoint, model: torch.nn.Module) -> list[str]:
+    """'<name> is [..] in the checkpoint, [..] here' for each saved tensor whose shape is not that of
+    `model`'s tensor of that name (none for a state/ directory, which DCP checks as it loads)."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    here = ({disk: tensors[name].shape for disk, name in adapter_names(model).items()} if is_lora(model) else
+            {name: tensor.shape for name, tensor in tensors.items()})
+    return [f"{name} is {list(saved.shape)} in the checkpoint, {list(here[name])} here"
+            for name, saved in loaded.weights.items() if name in here and saved.shape != here[name]]
+
+
 def whole_weights(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A full fine-tuning checkpoint's weights, checked against `model`'s names. A tied head is saved once,
     as the embedding (full_weights): the only name allowed to be absent."""
@@ -211,11 +231,16 @@ def whole_weights(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str,
     return loaded.weights
 
 
+def adapter_names(model: torch.nn.Module) -> dict[str, str]:
+    """The names of a peft `model`'s adapter tensors on disk -> its parameters' names: peft leaves the
+    adapter's name ("default") out of the names on disk."""
+    return {name.replace(f".{model.active_adapter}.", "."): name
+            for name, param in model.named_parameters() if param.requires_grad}
+
+
 def adapter_by_parameter(loaded: LoadedCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A saved adapter's tensors under the names of `model`'s parameters: peft leaves the adapter's name
-    ("default") out of the names on disk."""
-    on_disk = {name.replace(f".{model.active_adapter}.", "."): name
-               for name, param in model.named_parameters() if param.requires_grad}
+    """A saved adapter's tensors under the names of `model`'s parameters."""
+    on_disk = adapter_names(model)
     unexpected = sorted(set(loaded.weights) - set(on_disk))
     missing = sorted(set(on_disk) - set(loaded.weights))
     if unexpected or missing:

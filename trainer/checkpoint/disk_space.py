@@ -9,7 +9,7 @@ import torch
 
 from model.hf_checkpoint import is_lora, save_hf_model
 from offload.units import GIB
-from trainer.checkpoint_format import CheckpointError
+from trainer.checkpoint.format import CheckpointError
 
 # Headroom over the estimated size (file headers, config, peft metadata).
 DISK_MARGIN_BYTES = 64 << 20

@@ -9,10 +9,9 @@ from omegaconf import OmegaConf
 
 from conf.errors import ConfigError
 from model.hf_checkpoint import HFCheckpointError
-from trainer.build import record_architecture
-from trainer.checkpoint_format import (BASE_MODEL_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs,
-                                       step_of)
-from trainer.checkpoint_manager import CheckpointManager
+from trainer.build import BASE_MODEL_DIR, record_architecture
+from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs, step_of
+from trainer.checkpoint.manager import CheckpointManager, shape_differences
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,20 @@ def check_same_run(loaded: LoadedCheckpoint, cfg) -> None:
         f"the config differs from checkpoint {loaded.path} in settings that define the run:\n  {listing}\n"
         f"Restore those settings, start a new run (resume=false and a new output_dir), or pass "
         f"resume_force=true to continue anyway.")
+
+
+def check_same_shapes(loaded: LoadedCheckpoint, model, cfg) -> None:
+    """resume_force accepts other data and another schedule, never a model whose saved tensors have other
+    shapes (a LoRA rank, a model size): refused in one line naming the first tensor and the settings that
+    differ, before anything is loaded."""
+    differing = shape_differences(loaded, model)
+    if not differing:
+        return
+    settings = "; ".join(config_differences(loaded.config_yaml, cfg)) or "none of the run-defining ones"
+    raise CheckpointError(
+        f"checkpoint {loaded.path} does not fit this model: {differing[0]} ({len(differing)} tensors differ; "
+        f"settings that differ: {settings}). resume_force covers data and schedule changes, not shapes: restore "
+        f"those settings, or start a new run in a new output_dir.")
 
 
 def earlier_work(run_dir: Path, checkpoints: CheckpointManager) -> list[str]:

@@ -6,13 +6,16 @@ that peft.AutoPeftModelForCausalLM loads it onto transformers' Llama, and load_a
 fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
 scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
 and config.yaml (the resolved config of the run). A run over several processes saves the trainable weights
-and optimizer state in state/ instead (trainer.sharded_state: DCP, readable on any number of processes),
-LoRA's adapter/ beside it for export. The COMPLETE marker, written last, lists every file and
-its size; a directory without a valid marker is incomplete and never resumed from.
+and optimizer state in state/ instead (trainer.checkpoint.sharded_state: DCP, readable on any number of processes),
+LoRA's adapter/ beside it for export. The COMPLETE marker, written last, lists every file with
+its size and CRC-32 (storage.checksum); a directory without a valid marker is incomplete and never resumed
+from, and one whose files no longer match their checksums is corrupt. (Markers written before checksums were
+recorded list sizes only: such a checkpoint is still read, checked by its sizes.)
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,14 +25,15 @@ from safetensors.torch import load_file
 
 from model.hf_checkpoint import WEIGHTS_FILE, full_weights, is_lora, save_weights
 from storage.atomic import atomic_write_text
+from storage.checksum import ALGORITHM, ChecksumWriter, file_checksum
+from trainer.checkpoint.rng_state import capture_rng_state, own_cuda_rng_state
+from trainer.checkpoint.sharded_state import STATE_DIR, save_sharded_state, trainable_weights
 from trainer.distributed import World
-from trainer.rng_state import capture_rng_state, own_cuda_rng_state
-from trainer.sharded_state import STATE_DIR, save_sharded_state, trainable_weights
 from trainer.sharding import is_sharded
 
+log = logging.getLogger(__name__)
+
 CHECKPOINTS_DIR = "checkpoints"
-# In the run directory, not per checkpoint: the random-init base of a LoRA run, kept once for export.
-BASE_MODEL_DIR = "base_model"
 STEP_PREFIX = "step-"
 COMPLETE_MARKER = "COMPLETE"
 ADAPTER_DIR = "adapter"
@@ -83,10 +87,12 @@ def step_dirs(root: Path) -> list[Path]:
 
 
 def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
-                     progress: Progress, config_yaml: str, world: World = World.single()) -> None:
+                     progress: Progress, config_yaml: str, world: World = World.single()) -> dict[str, str]:
     """Every file of a checkpoint, into the (empty, temporary) `directory`; the marker comes later. Over
     several processes (collective: every rank calls it) the trainable weights and optimizer state go to
-    state/ through DCP (trainer.sharded_state), and rank 0 writes the rest, the adapter included."""
+    state/ through DCP (trainer.checkpoint.sharded_state), and rank 0 writes the rest, the adapter included.
+    Returns the checksums of the files written through a file object (the torch.save files), by name; the
+    marker reads the others back."""
     cuda_by_rank = None
     adapter = None
     if world.distributed:
@@ -95,19 +101,30 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
         # Sharded adapters (FSDP2) are gathered whole for adapter/ (collective); replicated ones are whole.
         adapter = trainable_weights(model) if is_lora(model) and is_sharded(model) else None
         if not world.is_main:
-            return
+            return {}
     if is_lora(model):
         # The vocabulary is never resized, so the base's embeddings never belong in the adapter; "auto" would
         # read the base's config (model.path, or the hub) to find out.
         model.save_pretrained(directory / ADAPTER_DIR, state_dict=adapter, save_embedding_layers=False)
     elif not world.distributed:
         save_weights(full_weights(model), directory)
+    checksums = {}
     if not world.distributed:
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-    torch.save({"scheduler": scheduler.state_dict(), "rng": capture_rng_state(cuda_by_rank), "data": data.state_dict()},
-               directory / STATE_FILE)
+        checksums[OPTIMIZER_FILE] = save_checksummed(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    checksums[STATE_FILE] = save_checksummed(
+        {"scheduler": scheduler.state_dict(), "rng": capture_rng_state(cuda_by_rank), "data": data.state_dict()},
+        directory / STATE_FILE)
     (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress) | {"saved_at": time.time()}, indent=1))
     (directory / CONFIG_FILE).write_text(config_yaml)
+    return checksums
+
+
+def save_checksummed(state, path: Path) -> str:
+    """torch.save `state` to `path`; returns the CRC-32 of the bytes written."""
+    with open(path, "wb") as file:
+        writer = ChecksumWriter(file)
+        torch.save(state, writer)
+    return writer.checksum
 
 
 def load_adapter(llama: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
@@ -120,26 +137,58 @@ def load_adapter(llama: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(llama, adapter_dir, config=config)
 
 
-def write_complete_marker(directory: Path) -> None:
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
-    atomic_write_text(directory / COMPLETE_MARKER, json.dumps({"files": files}, indent=1))
+def write_complete_marker(directory: Path, checksums: dict[str, str]) -> None:
+    """The COMPLETE marker: every file's size and checksum, those not in `checksums` (computed while writing)
+    read back."""
+    paths = {str(p.relative_to(directory)): p for p in sorted(directory.rglob("*")) if p.is_file()}
+    files = {name: path.stat().st_size for name, path in paths.items()}
+    sums = {name: checksums.get(name) or file_checksum(path) for name, path in paths.items()}
+    atomic_write_text(directory / COMPLETE_MARKER, json.dumps({"files": files, ALGORITHM: sums}, indent=1))
+
+
+def read_marker(directory: Path) -> tuple[dict | None, str | None]:
+    """(The marker's content, None), or (None, why `directory` has no valid marker)."""
+    marker = directory / COMPLETE_MARKER
+    if not marker.is_file():
+        return None, "it has no COMPLETE marker (the save was interrupted)"
+    try:
+        content = json.loads(marker.read_text())
+        if "files" not in content:
+            raise KeyError("files")
+    except (ValueError, KeyError) as error:
+        return None, f"its COMPLETE marker is unreadable ({error})"
+    return content, None
 
 
 def marker_problem(directory: Path) -> str | None:
-    """Why `directory` is not a complete checkpoint, or None when its marker and files agree."""
-    marker = directory / COMPLETE_MARKER
-    if not marker.is_file():
-        return "it has no COMPLETE marker (the save was interrupted)"
-    try:
-        files = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError) as error:
-        return f"its COMPLETE marker is unreadable ({error})"
-    for name, size in files.items():
+    """Why `directory` is not a complete checkpoint, or None when its marker and files' sizes agree (cheap:
+    reads no file's content; content_problem does)."""
+    content, problem = read_marker(directory)
+    if problem:
+        return problem
+    for name, size in content["files"].items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the marker recorded {size}"
+    return None
+
+
+def content_problem(directory: Path) -> str | None:
+    """marker_problem, and whether every file still has the checksum recorded when it was written (reads
+    every byte). A marker from before checksums were recorded is checked by sizes only."""
+    problem = marker_problem(directory)
+    if problem:
+        return problem
+    checksums = read_marker(directory)[0].get(ALGORITHM)
+    if checksums is None:
+        log.warning("checkpoint %s has no checksums (saved before they were recorded): checked by file sizes "
+                    "only", directory)
+    for name, recorded in (checksums or {}).items():
+        found = file_checksum(directory / name)
+        if found != recorded:
+            return f"{name} does not match its {ALGORITHM} checksum (recorded {recorded}, found {found})"
     return None
 
 
@@ -153,7 +202,7 @@ def read_checkpoint(path: Path) -> LoadedCheckpoint:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory: give a <run dir>/checkpoints/step-<N> "
                               f"directory")
-    problem = marker_problem(path)
+    problem = content_problem(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problem}")
     try:

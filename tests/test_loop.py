@@ -1,0 +1,24 @@
+"""The loop's parts (trainer/loop.py): start_job returns a Job, run_steps calls the Job's after_step hooks
+once per step, where evaluation plugs in, and what a hook adds to a step's metrics is recorded with them."""
+from __future__ import annotations
+
+import trainer.loop
+from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
+from trainer.loop import train
+
+
+def test_after_step_hooks_run_once_per_step_and_their_numbers_are_recorded(tmp_path, monkeypatch):
+    seen, real_start = [], trainer.loop.start_job
+
+    def start_with_hook(*args, **kwargs):
+        job = real_start(*args, **kwargs)
+
+        def hook(job, step, metrics):
+            seen.append((step, job.progress.step, "loss" in metrics))
+            metrics["eval/step_seen"] = step
+        job.after_step.append(hook)
+        return job
+    monkeypatch.setattr(trainer.loop, "start_job", start_with_hook)
+    train(job_config(tmp_path, "max_steps=3"))
+    assert seen == [(1, 1, True), (2, 2, True), (3, 3, True)]
+    assert [r["eval/step_seen"] for r in records(tmp_path)] == [1, 2, 3]
