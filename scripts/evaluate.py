@@ -134,7 +134,7 @@ def main() -> None:
         cfg = job_config(source, overrides)
         validate(cfg)
         device = resolve_device(cfg.device)
-        kernels.set_backend(cfg.kernels, deterministic=cfg.deterministic)
+        kernels.set_backend(cfg.kernels)
         model = load_model(source, cfg, device)
         evaluator = build_evaluator(cfg, model, device)
     except (ConfigError, DataError, CheckpointError, HFCheckpointError, ExportError, OSError) as error:

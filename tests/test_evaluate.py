@@ -22,9 +22,11 @@ from conf.validate import validate  # noqa: E402
 from data import IGNORE_INDEX  # noqa: E402
 from data.held_out import held_out_data, split_documents  # noqa: E402
 from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid  # noqa: E402
+from kernels.attention import choose_route  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from tests.gloo_support import run_two_ranks  # noqa: E402
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: E402, F401
+from trainer.build import install_attention_route  # noqa: E402
 from trainer.distributed import World, world_of  # noqa: E402
 from trainer.evaluate import Evaluator, position_edges  # noqa: E402
 from trainer.loop import train  # noqa: E402
@@ -211,7 +213,8 @@ def _sequence_parallel_worker(rank: int, init_file: str, failures, directory: st
             model.lm_head.weight.mul_(40)      # a random model whose passkey answers are not all wrong
         expected = Evaluator(model, torch.device("cpu"), World.single(), 256, batches, grid).evaluate()
         world = world_of(rank, 2, 2)
-        kernels.set_sequence_parallel(world.sequence_group)
+        install_attention_route(model, choose_route(torch.device("cpu"), 16, "reference",
+                                                     sequence_group=world.sequence_group))
         together = Evaluator(model, torch.device("cpu"), world, 256, batches, grid).evaluate()
         for name, value in expected.items():
             if name != "eval/time_s":
@@ -221,7 +224,6 @@ def _sequence_parallel_worker(rank: int, init_file: str, failures, directory: st
         failures.put(f"rank {rank}: {type(error).__name__}: {error}")
         raise
     finally:
-        kernels.set_sequence_parallel(None)
         dist.destroy_process_group()
 
 
