@@ -37,6 +37,9 @@ PADDING_WARNING = 0.5
 # The document-length percentiles the data summary reports.
 LENGTH_PERCENTILES = (50, 90, 99)
 
+# Fixed, not the run's seed: runs over the same documents hold out the same ones and evaluate the same rows.
+SPLIT_SEED = 39
+
 
 @dataclass
 class LocalSource:
@@ -381,11 +384,10 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
                       tokenizer_path: str, trained_context: int | None = None,
                       held_out: float = 0.0) -> PackedDocuments:
     """The training stream. `held_out` (eval.fraction) leaves that fraction of the documents out
-    (data.held_out.split_documents), which changes the documents' content hash, so a resume with another
+    (split_documents), which changes the documents' content hash, so a resume with another
     fraction is refused as other data."""
     documents, fmt, tokenizer = tokenized_documents(cfg, cfg.path, vocab_size, tokenizer_path)
     if held_out:
-        from data.held_out import split_documents
         documents = documents.select(split_documents(len(documents), held_out)[0])
     stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
@@ -401,3 +403,15 @@ def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
     if source.builder is None:
         return f"data.path={source.path!r} record {index + 1}"
     return record_place(source.files, source.builder, cfg.text_unit, index)
+
+
+def split_documents(count: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) document indices, sorted: round(fraction x count) documents (at least one, and
+    one left to train on) chosen by a permutation of a fixed seed, so the split depends only on the number
+    of documents and the fraction: the same at every resume."""
+    if count < 2:
+        raise DataError(f"eval.fraction needs at least 2 documents to split off held-out ones; the data has "
+                        f"{count}: give held-out files with eval.path instead")
+    held = min(count - 1, max(1, round(count * fraction)))
+    order = np.random.default_rng(SPLIT_SEED).permutation(count)
+    return np.sort(order[held:]), np.sort(order[:held])

@@ -8,33 +8,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.files import packed_documents, tokenized_documents
+from data.files import SPLIT_SEED, packed_documents, split_documents, tokenized_documents
 from data.synthetic import RecallTask
-from data.tokenize import DataError
 
 log = logging.getLogger(__name__)
 
-# Fixed, not the run's seed: runs over the same documents hold out the same ones and evaluate the same rows.
-SPLIT_SEED = 39
 # The recall task's held-out sequences: seed + this. A training stream reaches them only after 2^20 batches
 # (data.synthetic seeds batch i of seed s with s * 1_000_003 + i).
 RECALL_SEED_OFFSET = 1 << 20
-
-
-def split_documents(count: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) document indices, sorted: round(fraction x count) documents (at least one, and
-    one left to train on) chosen by a permutation of a fixed seed, so the split depends only on the number
-    of documents and the fraction: the same at every resume."""
-    if count < 2:
-        raise DataError(f"eval.fraction needs at least 2 documents to split off held-out ones; the data has "
-                        f"{count}: give held-out files with eval.path instead")
-    held = min(count - 1, max(1, round(count * fraction)))
-    order = np.random.default_rng(SPLIT_SEED).permutation(count)
-    return np.sort(order[held:]), np.sort(order[:held])
 
 
 @dataclass

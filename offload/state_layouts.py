@@ -6,8 +6,8 @@ State layouts, bytes per parameter (Llama-3-8B has 8.03e9 parameters, so 1 B/par
   bf16            bf16 weights + grads + moments on the GPU                        8 GPU            (60 GiB)
   bf16_host_grads bf16 weights + moments on the GPU, grads in pinned host memory   6 GPU + 2 host   (45 + 15)
 
-`plan_memory` (offload.plan) takes the first layout of `FULL_STATE_LAYOUTS` (conf.schema.train) that fits the machine for train.full_state=auto;
-the bf16 layouts are trained by trainer.streamed_adamw.StreamedAdamW.
+`plan_memory` (offload.plan) takes the first layout of `FULL_STATE_LAYOUTS` (conf.schema.train) that fits the
+machine for train.full_state=auto; the bf16 layouts are trained by trainer.streamed_adamw.StreamedAdamW.
 """
 from __future__ import annotations
 

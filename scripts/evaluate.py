@@ -48,7 +48,7 @@ from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
 from trainer.build import model_architecture  # noqa: E402
-from trainer.checkpoint_format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, marker_problem  # noqa: E402
+from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -75,7 +75,7 @@ def job_config(source: Path | None, overrides: list[str]):
 
 def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
     """A training checkpoint's weights, LoRA merged into its base (scripts/export.py)."""
-    problem = marker_problem(checkpoint)
+    problem = content_problem(checkpoint)
     if problem:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
     if (checkpoint / ADAPTER_DIR).is_dir():

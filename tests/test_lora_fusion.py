@@ -70,7 +70,8 @@ class OutputSizes(TorchDispatchMode):
 def projection_sized_elementwise_ops(forward, x) -> list[str]:
     with OutputSizes() as seen:
         forward(x).sum().backward()
-    return [op for op, numel in seen.ops if numel == x.shape[0] * CFG.intermediate_size and op in ("aten.mul", "aten.add")]
+    return [op for op, numel in seen.ops
+            if numel == x.shape[0] * CFG.intermediate_size and op in ("aten.mul", "aten.add")]
 
 
 def test_no_elementwise_pass_over_the_projection_output():

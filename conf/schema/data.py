@@ -90,7 +90,8 @@ def check_recall(data_cfg, seq_len: int, vocab_size: int) -> None:
     # BOS, then 2-token slots for every occurrence, then 2 tokens per query.
     if (seq_len - 2 * data_cfg.num_queries - 1) // 2 < occurrences:
         raise ConfigError(f"seq_len={seq_len} is too short for data.num_pairs={data_cfg.num_pairs} x "
-                          f"data.repeats={data_cfg.repeats} and data.num_queries={data_cfg.num_queries}: use seq_len >= "
+                          f"data.repeats={data_cfg.repeats} and data.num_queries={data_cfg.num_queries}: "
+                          f"use seq_len >= "
                           f"{2 * occurrences + 2 * data_cfg.num_queries + 2} or fewer pairs/repeats")
 
 
