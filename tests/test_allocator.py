@@ -26,15 +26,16 @@ def test_no_cap_off_cuda(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for a GPU only where none is present")
 @pytest.mark.parametrize("present,capped", [(H200, True), (H100, False)])
-def test_an_h100_plan_on_an_h200_caps_the_allocator_once_and_says_so(monkeypatch, present, capped):
+@pytest.mark.parametrize("device", [torch.device("cuda", 1), torch.device("cuda")])   # bench_train's has no index
+def test_an_h100_plan_on_an_h200_caps_the_allocator_once_and_says_so(monkeypatch, present, capped, device):
     calls = []
     monkeypatch.setattr(allocator, "present_gpu_memory", lambda device: present)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: calls.append(args))
-    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     allocator.cap_gpu_memory(H100, device)
     note = allocator.gpu_cap_note(H100, device)
     if capped:
-        assert calls == [(pytest.approx(79.2 / 139.8), device)]
+        assert calls == [(pytest.approx(79.2 / 139.8), 1)]
         assert note == ("; CUDA allocator capped at 79.2 of this GPU's 139.8 GiB (memory.gpu / "
                         "memory.gpu_memory_gib), so the plan's GPU is what runs")
     else:
@@ -47,6 +48,7 @@ def test_the_training_benchmark_takes_the_same_cap(monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "present_gpu_memory", lambda device: H200)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: calls.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cfg = trainer_config(8192, ["memory.gpu=h100_80gb"])
     assert cap_to_planned_gpu(cfg, torch.device("cuda")) == pytest.approx(79.2 / 139.8)
-    assert calls == [(pytest.approx(79.2 / 139.8), torch.device("cuda"))]
+    assert calls == [(pytest.approx(79.2 / 139.8), 0)]

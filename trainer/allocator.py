@@ -38,7 +38,9 @@ def cap_gpu_memory(planned: int, device) -> None:
     import torch
     fraction = gpu_memory_cap(planned, device)
     if fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        # torch takes an indexed device only: "cuda" alone is the current one
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 def gpu_cap_note(planned: int, device) -> str:
