@@ -18,6 +18,7 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
+from data.documents import log_positions_beyond, split_documents
 from data.file_problems import files_problem, has_text, record_place
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
 from data.tokenize import (DataError, RecordError, check_tokenizer_files, check_vocabulary, load_tokenizer,
@@ -37,8 +38,6 @@ PADDING_WARNING = 0.5
 # The document-length percentiles the data summary reports.
 LENGTH_PERCENTILES = (50, 90, 99)
 
-# Fixed, not the run's seed: runs over the same documents hold out the same ones and evaluate the same rows.
-SPLIT_SEED = 39
 
 
 @dataclass
@@ -315,44 +314,6 @@ class PackedDocuments:
                          if saved.get(key) != value)
 
 
-def trained_positions(documents, seq_len: int, long_docs: str, context: int) -> tuple[int, int]:
-    """(trained tokens, those at positions >= `context`): a token is trained at the position that predicts
-    it, counted from its piece's start (packing keeps documents apart, and a document longer than seq_len
-    is split into pieces that each start at position 0, truncated or dropped: data.long_docs). Reads the
-    trained-on flags chunk by chunk, as content_fingerprint does."""
-    trained = beyond = 0
-    for chunk in documents.with_format("arrow", columns=["is_target"])[:].column("is_target").chunks:
-        lengths = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-        flags = chunk.flatten().to_numpy(zero_copy_only=False).astype(bool)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        index = np.arange(len(flags)) - starts                       # each token's index in its document
-        kept = np.ones(len(flags), dtype=bool)
-        if long_docs == "drop":
-            kept = np.repeat(lengths <= seq_len, lengths)
-        elif long_docs == "truncate":
-            kept = index < seq_len
-        position = index % seq_len                                   # in its piece; 0 predicts nothing
-        counted = flags & kept & (position >= 1)
-        trained += int(counted.sum())
-        beyond += int((counted & (position - 1 >= context)).sum())
-    return trained, beyond
-
-
-def log_positions_beyond(documents, seq_len: int, long_docs: str, context: int) -> None:
-    """The share of trained tokens at positions beyond model.path's context; a warning when there are none,
-    since a context extension then trains nothing new."""
-    trained, beyond = trained_positions(documents, seq_len, long_docs, context)
-    share = beyond / max(trained, 1)
-    if beyond:
-        log.info("data: %.1f%% of trained tokens (%s) are at positions beyond model.path's context of %d",
-                 100 * share, f"{beyond:,}", context)
-    else:
-        log.warning("data: no trained token is at a position beyond model.path's context of %d (packing keeps "
-                    "documents apart, so positions are bounded by the longest document): positions up to seq_len="
-                    "%d are never trained; add documents longer than %d tokens (docs/LONG_CONTEXT.md)",
-                    context, seq_len, context)
-
-
 def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_path: str):
     """(documents, format, tokenizer) of the files at `path`, read and tokenized with the data.* options (the
     tokenization cached)."""
@@ -384,7 +345,7 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
                       tokenizer_path: str, trained_context: int | None = None,
                       held_out: float = 0.0) -> PackedDocuments:
     """The training stream. `held_out` (eval.fraction) leaves that fraction of the documents out
-    (split_documents), which changes the documents' content hash, so a resume with another
+    (data.documents.split_documents), which changes the documents' content hash, so a resume with another
     fraction is refused as other data."""
     documents, fmt, tokenizer = tokenized_documents(cfg, cfg.path, vocab_size, tokenizer_path)
     if held_out:
@@ -403,15 +364,3 @@ def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
     if source.builder is None:
         return f"data.path={source.path!r} record {index + 1}"
     return record_place(source.files, source.builder, cfg.text_unit, index)
-
-
-def split_documents(count: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(training, held-out) document indices, sorted: round(fraction x count) documents (at least one, and
-    one left to train on) chosen by a permutation of a fixed seed, so the split depends only on the number
-    of documents and the fraction: the same at every resume."""
-    if count < 2:
-        raise DataError(f"eval.fraction needs at least 2 documents to split off held-out ones; the data has "
-                        f"{count}: give held-out files with eval.path instead")
-    held = min(count - 1, max(1, round(count * fraction)))
-    order = np.random.default_rng(SPLIT_SEED).permutation(count)
-    return np.sort(order[held:]), np.sort(order[:held])

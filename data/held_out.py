@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.files import SPLIT_SEED, packed_documents, split_documents, tokenized_documents
+from data.documents import SPLIT_SEED, split_documents
+from data.files import packed_documents, tokenized_documents
 from data.synthetic import RecallTask
 
 log = logging.getLogger(__name__)

@@ -168,7 +168,8 @@ def test_rope_overrides_apply_to_a_random_init_too():
 
 
 def test_data_summary_counts_trained_positions_beyond_the_context(text_file, tmp_path, checkpoint, caplog):
-    from data.files import build_file_source, trained_positions
+    from data.documents import trained_positions
+    from data.files import build_file_source
     from tests.data_support import files_config
     caplog.set_level(logging.INFO)
     stream = build_file_source(files_config(text_file, tmp_path), 16, 2, 0, 64, str(checkpoint), trained_context=4)

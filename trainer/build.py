@@ -255,7 +255,7 @@ def extends_checkpoint(cfg) -> bool:
 
 def lora_base_path(cfg) -> str | None:
     """Where the saved adapter's base lives: model.path; for a changed rope or a random init the base_model/
-    directory the run keeps (keep_extended_base, trainer.loop.keep_random_base), so that an adapter never
+    directory the run keeps (keep_extended_base, trainer.run_dir.keep_random_base), so that an adapter never
     loads onto a base with another rope; None when it keeps none."""
     if cfg.model.path and not extends_checkpoint(cfg):
         return str(Path(cfg.model.path).expanduser().resolve())

@@ -2,6 +2,7 @@
 
 Run directory (output_dir): run.lock, config.yaml, train.log, metrics.jsonl, checkpoints/step-<N>/, wandb/,
 and for LoRA on a random init base_model/. The parts that make a long job trustworthy live in small modules:
+trainer.run_dir (created once, one writer),
 trainer.checkpoint.manager (crash-safe checkpoints), trainer.checkpoint.resume (which one to continue from),
 trainer.signals (SIGTERM/SIGINT), trainer.guard (NaN/Inf steps), trainer.metrics, trainer.wandb_run and
 trainer.console (what is recorded and shown).
@@ -12,7 +13,6 @@ finish_job closes the records and shows the end summary.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import random
@@ -26,17 +26,14 @@ from omegaconf import OmegaConf
 
 import kernels
 from conf.schema.job import resolve_device
-from conf.validate import ConfigError, validate
+from conf.validate import validate
 from data import build_data, preflight_data
-from model.hf_checkpoint import full_weights, is_lora
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
-from storage.lock import DirectoryLock, LockHeld
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.build import (BASE_MODEL_DIR, Built, build_model, checked_plan, context_summary, count_parameters,
+from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters,
                            keep_extended_base, record_architecture, trained_context)
-from trainer.checkpoint.disk_space import save_hf_model_if_room
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
@@ -47,6 +44,7 @@ from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.run_dir import create_run_dir, keep_random_base, one_writer
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
@@ -54,52 +52,10 @@ from trainer.wandb_run import open_wandb
 
 log = logging.getLogger(__name__)
 
-# In the run directory: held by the run writing there (one_writer).
-RUN_LOCK = "run.lock"
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def create_run_dir(run_dir: Path) -> None:
-    """The first write of a run, after validation: output_dir."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"output_dir={str(run_dir)!r} cannot be created: {error.strerror}") from None
-
-
-@contextlib.contextmanager
-def one_writer(run_dir: Path, world: World):
-    """While open, rank 0 holds the run directory's lock (storage.lock), taken before anything is written
-    there: a second run on the same output_dir stops with one line naming the holder."""
-    lock = DirectoryLock(run_dir / RUN_LOCK)
-    world.on_main(lambda: take_run_dir(lock, run_dir))
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def take_run_dir(lock: DirectoryLock, run_dir: Path) -> None:
-    try:
-        lock.acquire()
-    except LockHeld as held:
-        raise ConfigError(f"output_dir={run_dir} is in use by another run ({held}): wait for it to end, or give "
-                          f"another output_dir") from None
-    except OSError as error:
-        raise ConfigError(f"output_dir={run_dir} cannot be locked for this run ({error.strerror}): give an "
-                          f"output_dir on a filesystem with file locks (docs/JOBS.md)") from None
-
-
-def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
-    """A LoRA adapter is only usable with its base: keep a random-init base once, for scripts/export.py."""
-    base_dir = run_dir / BASE_MODEL_DIR
-    if is_lora(model) and not cfg.model.path and cfg.checkpoint.save_random_base and not base_dir.is_dir():
-        save_hf_model_if_room(full_weights(model), model.config.to_hf_dict(), base_dir)
 
 
 def planned_memory(plan: MemoryPlan, device: torch.device) -> str:

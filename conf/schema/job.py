@@ -101,7 +101,7 @@ def check_job(cfg) -> None:
 
 def check_output_dir(output_dir: str) -> None:
     """What can be told without writing: output_dir is, or would be created in, a writable directory. The
-    trainer creates it (trainer.loop.create_run_dir), naming output_dir if that still fails (/proc/x)."""
+    trainer creates it (trainer.run_dir.create_run_dir), naming output_dir if that still fails (/proc/x)."""
     path = Path(output_dir).absolute()
     try:
         is_file = path.exists() and not path.is_dir()
