@@ -23,6 +23,7 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 clean:
