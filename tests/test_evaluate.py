@@ -175,6 +175,18 @@ def test_a_resumed_run_continues_the_eval_history_without_duplicates(tmp_path):
     assert [r["step"] for r in rows if "eval/loss" in r] == [0, 2, 3, 4, 6]
 
 
+def test_a_run_that_died_in_its_first_step_after_evaluating_at_start_can_be_run_again(tmp_path, monkeypatch):
+    def dies(*args, **kwargs):
+        raise RuntimeError("killed in step 1")
+    monkeypatch.setattr("trainer.loop.train_step", dies)
+    with pytest.raises(RuntimeError, match="killed in step 1"):
+        train(job_config(tmp_path, "max_steps=2", "eval.every_steps=2"))
+    assert [r["step"] for r in records(tmp_path)] == [0]
+    monkeypatch.undo()
+    train(job_config(tmp_path, "max_steps=2", "eval.every_steps=2"))      # the same command again
+    assert [r["step"] for r in records(tmp_path)] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["eval.every_steps=-1"], "eval.every_steps=-1 must be at least 0"),
     (["eval.fraction=1.5"], "eval.fraction=1.5 must be in"),

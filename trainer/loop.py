@@ -170,7 +170,7 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
-    wandb_run, metrics_log = open_records(cfg, run_dir, progress, built, device, world)
+    wandb_run, metrics_log = open_records(cfg, run_dir, progress, loaded is not None, built, device, world)
     flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
     if loaded:
         check_same_shapes(loaded, model, cfg)
@@ -205,16 +205,18 @@ def start_evaluation(job: Job, evaluator: Evaluator, resumed: bool) -> None:
     job.after_step.append(evaluate_after)
 
 
-def open_records(cfg, run_dir: Path, progress: Progress, built: Built, device: torch.device, world: World):
-    """Rank 0's W&B run (continuing the checkpoint's, whose id `progress` then keeps) and metrics log;
-    (None, None) on the other ranks."""
+def open_records(cfg, run_dir: Path, progress: Progress, resumed: bool, built: Built, device: torch.device,
+                 world: World):
+    """Rank 0's W&B run (continuing the checkpoint's, whose id `progress` then keeps) and metrics log, which
+    keeps the records up to the resumed step, none for a new run (a row 0 left by one that died before its
+    first step is written again); (None, None) on the other ranks."""
     if not world.is_main:
         return None, None
     wandb_run = open_wandb(cfg.logger.wandb, run_dir, OmegaConf.to_container(cfg, resolve=True),
                            progress.wandb_run_id)
     if wandb_run:
         progress.wandb_run_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir, progress.step, wandb_run)
+    metrics_log = MetricsLog(run_dir, progress.step if resumed else -1, wandb_run)
     add_memory_engine_sources(metrics_log, built, device)
     return wandb_run, metrics_log
 

@@ -85,11 +85,11 @@ def check_same_shapes(loaded: LoadedCheckpoint, model, cfg) -> None:
 
 def earlier_work(run_dir: Path, checkpoints: CheckpointManager) -> list[str]:
     """What an earlier run left in run_dir that a run not continuing it would overwrite or delete: step
-    directories (complete or not), recorded metrics, the kept random base. (A config.yaml alone is from a
-    run that stopped before its first step.)"""
+    directories (complete or not), recorded steps, the kept random base. (A config.yaml, or metrics.jsonl's
+    row 0 of an evaluation at start, alone is from a run that stopped before its first step.)"""
     work = [f"{CHECKPOINTS_DIR}/{d.name}" for d in step_dirs(checkpoints.root)]
     metrics = run_dir / METRICS_FILE
-    recorded = len(read_records(metrics)) if metrics.is_file() else 0
+    recorded = len([r for r in read_records(metrics) if r["step"] >= 1]) if metrics.is_file() else 0
     if recorded:
         work.append(f"{METRICS_FILE} ({recorded} steps recorded)")
     if (run_dir / BASE_MODEL_DIR).is_dir():
