@@ -5,16 +5,23 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import trainer.checkpoint.format
 import trainer.loop
 from data import DataError
 from tests.data_support import checkpoint, text_file  # noqa: F401
+from tests.gloo_support import run_two_ranks
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
+from trainer.build import record_architecture
 from trainer.checkpoint.format import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.resume import agreed_checkpoint
+from trainer.distributed import world_of
 from trainer.loop import train
 from trainer.optim import lr_multiplier
 
@@ -211,3 +218,26 @@ def test_an_auto_warmup_stays_the_one_the_run_started_with(tmp_path, monkeypatch
     train(job_config(tmp_path, "max_steps=40", *auto))
     expected = [1e-3 * lr_multiplier(step - 1, 0, 40, 0.1) for step in range(5, 41)]
     assert applied == pytest.approx(expected, rel=1e-12)
+
+
+def _resuming_rank(rank: int, init_file: str, failures, run_dir: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        checksummed = []
+        real_checksum = trainer.checkpoint.format.file_checksum
+        trainer.checkpoint.format.file_checksum = lambda path: checksummed.append(path) or real_checksum(path)
+        cfg = job_config(run_dir, "resume=auto")
+        record_architecture(cfg)     # as train() does first
+        loaded = agreed_checkpoint(cfg, CheckpointManager.for_run(Path(run_dir), cfg.checkpoint), world_of(rank, 2, 1))
+        assert loaded.path.name == "step-4" and loaded.progress.step == 4
+        assert bool(checksummed) == (rank == 0), f"rank {rank} checksummed {len(checksummed)} files"
+    except BaseException as error:      # reported to the parent, which fails the test with it
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_resume_rank_0_alone_reads_every_byte_and_the_others_its_choice(tmp_path):
+    train(job_config(tmp_path, "max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=2"))
+    run_two_ranks(_resuming_rank, str(tmp_path))

@@ -36,7 +36,7 @@ from trainer.build import (Built, build_model, checked_plan, context_summary, co
                            keep_extended_base, record_architecture, trained_context)
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import check_same_shapes, checkpoint_to_resume, keep_started_warmup
+from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
@@ -149,8 +149,8 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     """Choose the checkpoint to resume, write config.yaml, build the model, data, optimizer and records, and
     restore the checkpoint's state last (so the RNG streams continue exactly where it left them)."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
-    loaded = checkpoint_to_resume(cfg, checkpoints, world.is_main)
-    world.barrier()     # every rank has chosen before rank 0 writes anything a choice looks at
+    loaded = agreed_checkpoint(cfg, checkpoints, world)
+    world.barrier()     # every rank has read it before rank 0 writes anything
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)

@@ -196,13 +196,15 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [d for d in step_dirs(root) if marker_problem(d) is None]
 
 
-def read_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Read and check every part of the checkpoint at `path`; CheckpointError if anything is off."""
+def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
+    """Read and check every part of the checkpoint at `path`; CheckpointError if anything is off. `verify`:
+    check every file's checksum (reads every byte), else only the marker and the files' sizes (for a rank
+    reading a checkpoint rank 0 has verified)."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is not a directory: give a <run dir>/checkpoints/step-<N> "
                               f"directory")
-    problem = content_problem(path)
+    problem = content_problem(path) if verify else marker_problem(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {problem}")
     try:

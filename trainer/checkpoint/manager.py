@@ -139,9 +139,10 @@ class CheckpointManager:
         older = [d for d in reversed(self.complete()) if step_of(d) < step_of(last)]
         return next((d for d in [last, *older] if content_problem(d) is None), None)
 
-    def read(self, path: Path) -> LoadedCheckpoint:
-        """The checkpoint at `path`, which may belong to another run; CheckpointError if anything is off."""
-        return read_checkpoint(path)
+    def read(self, path: Path, verify: bool = True) -> LoadedCheckpoint:
+        """The checkpoint at `path`, which may belong to another run; CheckpointError if anything is off
+        (`verify`: its checksums too, see read_checkpoint)."""
+        return read_checkpoint(path, verify)
 
     def read_newest(self) -> LoadedCheckpoint | None:
         """The newest readable checkpoint under `root`, None when there is none; broken ones are skipped with

@@ -12,6 +12,7 @@ from model.hf_checkpoint import HFCheckpointError
 from trainer.build import BASE_MODEL_DIR, record_architecture
 from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs, step_of
 from trainer.checkpoint.manager import CheckpointManager, shape_differences
+from trainer.distributed import World
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,9 @@ def set_aside_skipped(checkpoints: CheckpointManager, resumed_step: int) -> None
                     moved, resumed_step)
 
 
-def checkpoint_to_resume(cfg, checkpoints: CheckpointManager, sets_aside: bool = True) -> LoadedCheckpoint | None:
+def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoint | None:
     """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run. Nothing
-    that the run would not continue is left where its saves could overwrite or delete it (`sets_aside`:
-    this process is the one that moves such checkpoints aside; the other ranks of a job only read)."""
+    that the run would not continue is left where its saves could overwrite or delete it."""
     setting = str(cfg.resume).strip()
     if setting.lower() in FRESH:
         refuse_earlier_work(checkpoints, "a new run", cfg)
@@ -151,11 +151,23 @@ def checkpoint_to_resume(cfg, checkpoints: CheckpointManager, sets_aside: bool =
         else:
             refuse_earlier_work(checkpoints, f"resuming {loaded.path} from another run directory", cfg)
     check_same_run(loaded, cfg)
-    if sets_aside and in_run_dir(loaded, checkpoints):
+    if in_run_dir(loaded, checkpoints):
         set_aside_skipped(checkpoints, loaded.progress.step)
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,
              loaded.progress.tokens_seen)
     return loaded
+
+
+def agreed_checkpoint(cfg, checkpoints: CheckpointManager, world: World) -> LoadedCheckpoint | None:
+    """checkpoint_to_resume on rank 0 alone, which checksums the checkpoint and sets aside what the run
+    skips; the other ranks read the checkpoint it chose checking file sizes only (each reading every byte
+    again would multiply the resume's time). A refusal on rank 0 stops every rank."""
+    chosen = []
+    world.on_main(lambda: chosen.append(checkpoint_to_resume(cfg, checkpoints)))
+    path = world.main_value(str(chosen[0].path) if chosen and chosen[0] else None)
+    if world.is_main or path is None:
+        return chosen[0] if chosen else None
+    return checkpoints.read(Path(path), verify=False)
 
 
 def keep_started_warmup(cfg, loaded: LoadedCheckpoint) -> str | None:
