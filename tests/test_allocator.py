@@ -39,7 +39,18 @@ def test_an_h100_plan_on_an_h200_caps_the_allocator_once_and_says_so(monkeypatch
         assert note == ("; CUDA allocator capped at 79.2 of this GPU's 139.8 GiB (memory.gpu / "
                         "memory.gpu_memory_gib), so the plan's GPU is what runs")
     else:
-        assert calls == [] and note == ""
+        assert calls == [(1.0, 1)] and note == ""      # the whole GPU: no cap left by an earlier job
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for a GPU only where none is present")
+def test_a_later_sweep_job_without_a_cap_lifts_the_earlier_jobs(monkeypatch):
+    fractions = []
+    monkeypatch.setattr(allocator, "present_gpu_memory", lambda device: H200)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, index: fractions.append(
+        fraction))
+    allocator.cap_gpu_memory(H100, torch.device("cuda", 0))      # job 1: memory.gpu=h100_80gb
+    allocator.cap_gpu_memory(H200, torch.device("cuda", 0))      # job 2, in the same process: the H200's own
+    assert fractions == [pytest.approx(79.2 / 139.8), 1.0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for a GPU only where none is present")

@@ -34,13 +34,14 @@ def gpu_memory_cap(planned: int, device) -> float | None:
 def cap_gpu_memory(planned: int, device) -> None:
     """Hold this process's CUDA caching allocator on `device` to `planned` bytes when the GPU present is bigger,
     so that a plan made for a smaller card (an 80 GB one, on a 141 GB H200) is what runs, and can be tested,
-    here: an allocation past it fails as it would there. Call once, before the model is built."""
+    here: an allocation past it fails as it would there; else lift any cap (the jobs of a sweep share one
+    process, and an earlier job's cap would hold a later one). Call once per job, before the model is built."""
     import torch
-    fraction = gpu_memory_cap(planned, device)
-    if fraction is not None:
-        # torch takes an indexed device only: "cuda" alone is the current one
-        index = torch.cuda.current_device() if device.index is None else device.index
-        torch.cuda.set_per_process_memory_fraction(fraction, index)
+    if present_gpu_memory(device) is None:
+        return
+    # torch takes an indexed device only: "cuda" alone is the current one
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(gpu_memory_cap(planned, device) or 1.0, index)
 
 
 def gpu_cap_note(planned: int, device) -> str:
