@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import math
 import typing
+from collections.abc import Mapping
 
 from conf.errors import ConfigError
 from conf.schema import JobConfig
@@ -55,14 +56,31 @@ def check_known_keys(cfg) -> None:
 
 
 def check_finite_numbers(values, schema: type, prefix: str = "") -> None:
-    """ConfigError for the first float setting (float, Optional[float] or List[float] in the schema) that is
-    NaN or infinite: NaN passes every comparison a group's check makes, and either ends a run steps later."""
+    """ConfigError for the first float setting (float, Optional[float] or List[float] in the schema, or a
+    float item of a mapping such as model.rope_scaling) that is NaN or infinite: NaN passes every comparison
+    a group's check makes, and either ends a run steps later."""
     for name, hint in typing.get_type_hints(schema).items():
         value = values[name]
         if (nested := nested_schema(hint)) and value is not None:
             check_finite_numbers(value, nested, f"{prefix}{name}.")
-        elif any(isinstance(number, float) and not math.isfinite(number) for number in float_values(hint, value)):
+        elif isinstance(value, Mapping):
+            check_finite_items(value, f"{prefix}{name}.")
+        elif any(not finite(number) for number in float_values(hint, value)):
             raise ConfigError(f"{prefix}{name}={value} must be a finite number (not nan or inf)")
+
+
+def check_finite_items(mapping: Mapping, prefix: str) -> None:
+    """check_finite_numbers for a setting of free form (typed Any): its float items, at any depth."""
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            check_finite_items(value, f"{prefix}{key}.")
+        elif not finite(value):
+            raise ConfigError(f"{prefix}{key}={value} must be a finite number (not nan or inf)")
+
+
+def finite(value) -> bool:
+    """False for a float NaN or infinity only."""
+    return not (isinstance(value, float) and not math.isfinite(value))
 
 
 def float_values(hint, value) -> list:

@@ -246,6 +246,9 @@ def test_every_float_setting_refuses_nan_and_inf(number):
         value = f"[0.9,{number}]" if setting == "optim.betas" else number
         with pytest.raises(ConfigError, match=f"^{setting.replace('.', '[.]')}=.*must be a finite number"):
             validate(make_config(f"{setting}={value}"))
+    with pytest.raises(ConfigError, match=f"^model[.]rope_scaling[.]factor={number} must be a finite number"):
+        validate(make_config(f"model.rope_scaling={{rope_type:yarn,factor:{number},original_max_position_embeddings:"
+                             f"8192}}"))
 
 
 @pytest.mark.parametrize("seed", [0, 1234, 2**32 - 1])
