@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,7 +30,7 @@ from tests.gloo_support import run_two_ranks  # noqa: E402
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: E402, F401
 from trainer.build import install_attention_route  # noqa: E402
 from trainer.distributed import World, world_of  # noqa: E402
-from trainer.evaluate import Evaluator, position_edges  # noqa: E402
+from trainer.evaluate import Evaluator, answer_misses, position_edges  # noqa: E402
 from trainer.loop import train  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -130,6 +132,25 @@ def test_passkey_is_at_chance_for_a_random_model_and_exact_for_one_that_finds_th
     assert chance["eval/passkey/accuracy"] == 0.0
     assert finder["eval/passkey/accuracy"] == 1.0
     assert finder["eval/passkey/128"] == finder["eval/passkey/256/50"] == 1.0
+
+
+def test_the_passkey_logits_make_no_fp32_copy_of_a_bf16_head():
+    head = torch.randn(96, 64).bfloat16()
+    hidden, labels = torch.randn(1, 8, 64), torch.randint(0, 96, (1, 8))
+    cells = torch.tensor([[-1, -1, 0, 0, -1, 1, 1, -1]])
+    shapes = []
+
+    class FloatResults(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            shapes.extend(r.shape for r in pytree.tree_leaves(result)
+                          if isinstance(r, torch.Tensor) and r.dtype == torch.float32)
+            return result
+    with FloatResults():
+        wrong, total = answer_misses(hidden, head, labels, cells, 2)
+    assert head.shape not in shapes and head.t().shape not in shapes
+    expected = ((hidden[0, [2, 3, 5, 6]].bfloat16() @ head.t()).float().argmax(-1) != labels[0, [2, 3, 5, 6]]).long()
+    assert total == [2, 2] and wrong == [int(expected[:2].sum()), int(expected[2:].sum())]
 
 
 def test_the_held_out_split_is_by_document_disjoint_and_the_same_every_time():

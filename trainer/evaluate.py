@@ -72,10 +72,11 @@ def bucket_losses(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor
 
 def answer_misses(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, cells: torch.Tensor,
                   cell_count: int) -> tuple[list[int], list[int]]:
-    """(wrong greedy tokens, answer tokens) per passkey cell: the logits only of the answer positions."""
+    """(wrong greedy tokens, answer tokens) per passkey cell: the logits only of the answer positions, in the
+    head's dtype (an fp32 copy of an 8B model's head would be 2 GiB that MemoryPlan.eval_peak does not count)."""
     chosen = cells.reshape(-1).to(labels.device) >= 0
     flat_cells = cells.reshape(-1).to(labels.device)[chosen]
-    logits = hidden.reshape(-1, hidden.shape[-1])[chosen].float() @ head.float().t()
+    logits = (hidden.reshape(-1, hidden.shape[-1])[chosen].to(head.dtype) @ head.t()).float()
     wrong = (logits.argmax(-1) != labels.reshape(-1)[chosen]).long()
     return (torch.bincount(flat_cells, wrong, minlength=cell_count).long().tolist(),
             torch.bincount(flat_cells, minlength=cell_count).tolist())
