@@ -83,6 +83,20 @@ def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
     return full_model(checkpoint, cfg)[0]
 
 
+def load_weights(model: Llama, weights: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Load a checkpoint's weights into `model`, every one of its tensors and nothing else (the output layer
+    may be left out when it is tied to the embeddings); ExportError naming the first mismatch otherwise."""
+    result = model.load_state_dict(weights, strict=False)
+    tied = model.config.tie_word_embeddings
+    missing = [name for name in result.missing_keys if not (tied and name == "lm_head.weight")]
+    mismatches = [f"{len(names)} {kind} (first: {names[0]})"
+                  for kind, names in (("missing", missing), ("unexpected", result.unexpected_keys)) if names]
+    if mismatches:
+        raise ExportError(f"cannot evaluate {checkpoint}: its weights do not fit the model of its config: "
+                          f"{', '.join(mismatches)}")
+    model.tie_weights()
+
+
 def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
     """The model on `device` (bf16 on a GPU, fp32 on the CPU) with the architecture training builds
     (trainer.build.model_architecture: model.path's or the model group's, the rope settings applied), its RoPE
@@ -91,8 +105,7 @@ def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
     arch = model_architecture(cfg)
     if source is not None and is_checkpoint(source):
         model = Llama.from_config(arch)
-        model.load_state_dict(checkpoint_weights(source, cfg), strict=False)
-        model.tie_weights()
+        load_weights(model, checkpoint_weights(source, cfg), source)
         model = model.to(device=device, dtype=dtype)
     elif cfg.model.path:
         model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,

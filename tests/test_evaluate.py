@@ -279,12 +279,14 @@ def test_evaluate_script_says_how_and_evaluates_a_checkpoint(tmp_path):
     done = subprocess.run([sys.executable, "scripts/evaluate.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, check=True)
     assert "checkpoint" in done.stdout and "model.path" in done.stdout
-    train(job_config(tmp_path / "run", "max_steps=2", "checkpoint.every_steps=2"))
+    train(job_config(tmp_path / "run", "max_steps=2", "checkpoint.every_steps=2", "eval.every_steps=2"))
     out = tmp_path / "eval"
     subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "run" / "checkpoints" / "step-2"),
-                    "--out", str(out), "eval.sequences=2"], cwd=REPO, check=True, capture_output=True, text=True)
+                    "--out", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     figures = json.loads((out / "evaluation.json").read_text())
-    assert figures["eval/tokens"] > 0 and math.isfinite(figures["eval/loss"])
+    trained = next(row for row in records(tmp_path / "run") if row["step"] == 2)
+    # The same weights, config, held-out sequences and kernels on the same CPU: the very figure training logged.
+    assert figures["eval/loss"] == trained["eval/loss"] and figures["eval/tokens"] == trained["eval/tokens"] > 0
     assert (out / "loss_by_position.png").is_file()
 
     model_dir = tmp_path / "model"           # a Hugging Face directory with a tokenizer: the passkey probe too
@@ -304,3 +306,18 @@ def test_evaluate_script_says_how_and_evaluates_a_checkpoint(tmp_path):
                              cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         next(line for line in refused.stderr.splitlines() if line.startswith("evaluation failed: seq_len=16"))]
+
+
+def test_evaluate_script_refuses_weights_that_do_not_fit_the_model():
+    from scripts.evaluate import ExportError, load_weights
+    model = tiny_model()
+    weights = dict(model.state_dict())
+    del weights["lm_head.weight"]
+    with pytest.raises(ExportError, match=r"do not fit the model of its config: 1 missing \(first: lm_head.weight\)$"):
+        load_weights(tiny_model(), weights, Path("step-2"))
+    weights = {**model.state_dict(), "model.extra.weight": torch.zeros(1)}
+    with pytest.raises(ExportError, match=r"config: 1 unexpected \(first: model.extra.weight\)$"):
+        load_weights(tiny_model(), weights, Path("step-2"))
+    loaded = tiny_model(seed=1)
+    load_weights(loaded, model.state_dict(), Path("step-2"))
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
