@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
 from conf.schema import DataConfig  # noqa: E402
+from conf.schema.eval import EvalConfig, evaluating, starts_with_eval  # noqa: E402
 from conf.validate import validate  # noqa: E402
 from data import IGNORE_INDEX  # noqa: E402
 from data.held_out import held_out_data, split_documents  # noqa: E402
@@ -151,6 +153,26 @@ def test_the_passkey_logits_make_no_fp32_copy_of_a_bf16_head():
     assert head.shape not in shapes and head.t().shape not in shapes
     expected = ((hidden[0, [2, 3, 5, 6]].bfloat16() @ head.t()).float().argmax(-1) != labels[0, [2, 3, 5, 6]]).long()
     assert total == [2, 2] and wrong == [int(expected[:2].sum()), int(expected[2:].sum())]
+
+
+@pytest.mark.parametrize("every, passkey_every, due, passkey_due", [
+    (2, 0, [2, 4, 6], [6]),
+    (0, 4, [4, 6], [4, 6]),          # the passkey alone: at its steps and at the end, as documented
+    (0, 0, [6], [6]),                # eval.at_start=true alone: the end too
+])
+def test_an_evaluation_is_due_at_its_steps_and_at_the_end_whenever_one_is_on(every, passkey_every, due, passkey_due):
+    evaluator = Evaluator(None, torch.device("cpu"), World.single(), 128, [], passkey=object(), every_steps=every,
+                          passkey_every_steps=passkey_every, max_steps=6)
+    assert [step for step in range(1, 7) if evaluator.due(step)] == due
+    assert [step for step in range(1, 7) if evaluator.passkey_due(step)] == passkey_due
+
+
+def test_a_run_with_only_the_passkey_scheduled_also_evaluates_at_start():
+    cfg = OmegaConf.structured(EvalConfig)
+    cfg.passkey.every_steps = 4
+    assert evaluating(cfg) and starts_with_eval(cfg)
+    cfg.at_start = False
+    assert not starts_with_eval(cfg)
 
 
 def test_the_held_out_split_is_by_document_disjoint_and_the_same_every_time():

@@ -96,12 +96,13 @@ class Evaluator:
     def passkey_due(self, step: int) -> bool:
         if self.passkey is None:
             return False
-        end = self.every_steps > 0 and step == self.max_steps
-        return end or (self.passkey_every_steps > 0 and step % self.passkey_every_steps == 0)
+        return step == self.max_steps or (self.passkey_every_steps > 0 and step % self.passkey_every_steps == 0)
 
     def due(self, step: int) -> bool:
-        regular = self.every_steps > 0 and (step % self.every_steps == 0 or step == self.max_steps)
-        return regular or self.passkey_due(step)
+        """Every eval.every_steps steps, when the passkey is, and at the last step (the trainer builds an
+        Evaluator only when some evaluation is on, conf.schema.eval.evaluating)."""
+        regular = self.every_steps > 0 and step % self.every_steps == 0
+        return regular or step == self.max_steps or self.passkey_due(step)
 
     def after_step(self, step: int) -> dict:
         """The figures of `step` when an evaluation is due then, else {}. Every rank calls it."""

@@ -27,8 +27,9 @@ class PasskeyConfig:
     depths: int = 5
     # Haystacks per (length, depth), each with its own key.
     trials: int = 1
-    # 0: at the start and at the end of training only; N: also every N steps (it costs about
-    # depths x trials x (2 - 2^(1-lengths)) sequences of seq_len).
+    # 0: at the start and at the end of training only (when evaluation is on); N: also every N steps, with
+    # the held-out figures (this alone turns evaluation on). A probe costs about
+    # depths x trials x (2 - 2^(1-lengths)) sequences of seq_len.
     every_steps: int = 0
     # The haystack's text: held_out (the held-out documents), builtin (a fixed English filler), or auto
     # (held-out text when the held-out data is text, else builtin).
@@ -37,7 +38,8 @@ class PasskeyConfig:
 
 @dataclass
 class EvalConfig:
-    # Evaluate every N steps (and at the last step); 0: no evaluation during training.
+    # Evaluate every N steps; 0: none but eval.passkey.every_steps's and eval.at_start's. Whenever any
+    # evaluation is on, a new run also evaluates before its first step (unless at_start=false) and at its last.
     every_steps: int = 0
     # Held-out sequences per evaluation (rounded up to whole batches for each data-parallel group); each costs
     # a forward pass, about a third of a training step's time.
@@ -60,7 +62,7 @@ def evaluating(eval_cfg) -> bool:
 
 def starts_with_eval(eval_cfg) -> bool:
     """Whether a new run evaluates before its first step."""
-    return eval_cfg.at_start if eval_cfg.at_start is not None else eval_cfg.every_steps > 0
+    return eval_cfg.at_start if eval_cfg.at_start is not None else evaluating(eval_cfg)
 
 
 def check_eval(cfg) -> None:
