@@ -6,7 +6,9 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,6 +230,21 @@ def test_a_run_that_died_in_its_first_step_after_evaluating_at_start_can_be_run_
     monkeypatch.undo()
     train(job_config(tmp_path, "max_steps=2", "eval.every_steps=2"))      # the same command again
     assert [r["step"] for r in records(tmp_path)] == [0, 1, 2]
+
+
+def test_the_progress_clock_starts_after_the_evaluation_at_start(tmp_path, monkeypatch, caplog):
+    import trainer.console
+    real_evaluate, slept = Evaluator.evaluate, []
+
+    def slow_evaluate(self, with_passkey=True):      # an hour-long evaluation, on the console's clock
+        slept.append(3600.0)
+        return real_evaluate(self, with_passkey)
+    monkeypatch.setattr(Evaluator, "evaluate", slow_evaluate)
+    monkeypatch.setattr(trainer.console, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + sum(slept)))
+    caplog.set_level("INFO", logger="trainer.console")
+    train(job_config(tmp_path, "max_steps=2", "eval.every_steps=0", "eval.at_start=true"))
+    line = next(record.getMessage() for record in caplog.records if record.getMessage().startswith("step 1/"))
+    assert "elapsed 00:00 " in line or "elapsed 00:01 " in line, line
 
 
 @pytest.mark.parametrize("overrides, message", [

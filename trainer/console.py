@@ -119,6 +119,12 @@ class ProgressBar:
         eta = "?" if left is None else tqdm.format_interval(left)
         return f"{step_line(record, self.max_steps)} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
 
+    def restart_clock(self) -> None:
+        """Time this start from now: work before the first step (the evaluation at start) would otherwise
+        count as the steps' and inflate the early ETAs."""
+        self.started = time.monotonic()
+        self.bar.unpause()
+
     def update(self, record: dict) -> None:
         loss = "nan" if record.get("loss") is None else f"{record['loss']:.4f}"
         self.bar.set_postfix_str(f"loss {loss} tok/s {record['tokens_per_s']:.0f} {memory_text(record)}",

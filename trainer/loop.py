@@ -196,6 +196,7 @@ def start_evaluation(job: Job, evaluator: Evaluator, resumed: bool) -> None:
         if job.metrics_log:
             job.metrics_log.write(0, evaluation)
             log.info("%s", eval_line(0, evaluation))
+        job.bar.restart_clock()
 
     def evaluate_after(job: Job, step: int, metrics: dict) -> None:
         if evaluation := evaluator.after_step(step):
