@@ -1,6 +1,10 @@
 """The loop's parts (trainer/loop.py): start_job returns a Job, run_steps calls the Job's after_step hooks
-once per step, where evaluation plugs in, and what a hook adds to a step's metrics is recorded with them."""
+once per step, where evaluation plugs in, and what a hook adds to a step's metrics is recorded with them; a
+stop signal's checkpoint comes before them."""
 from __future__ import annotations
+
+import os
+import signal
 
 import trainer.loop
 from tests.jobs_support import job_config, records, single_torch_thread  # noqa: F401
@@ -22,3 +26,18 @@ def test_after_step_hooks_run_once_per_step_and_their_numbers_are_recorded(tmp_p
     train(job_config(tmp_path, "max_steps=3"))
     assert seen == [(1, 1, True), (2, 2, True), (3, 3, True)]
     assert [r["eval/step_seen"] for r in records(tmp_path)] == [1, 2, 3]
+
+
+def test_a_stop_signal_checkpoints_before_the_evaluation_due_at_its_step(tmp_path, monkeypatch):
+    real_step, steps = trainer.loop.train_step, []
+
+    def step_then_signal(*args, **kwargs):      # SIGTERM arrives during step 2, when an evaluation is due
+        result = real_step(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    monkeypatch.setattr(trainer.loop, "train_step", step_then_signal)
+    train(job_config(tmp_path, "max_steps=4", "eval.every_steps=2", "eval.at_start=false"))
+    assert [r["step"] for r in records(tmp_path)] == [1, 2] and "eval/loss" not in records(tmp_path)[1]
+    assert (tmp_path / "checkpoints" / "step-2" / "COMPLETE").is_file()

@@ -124,8 +124,9 @@ class Job:
     last_checkpoint: Path | None
     first_step: int
     # Called as hook(job, step, metrics) on every rank after each step, before its metrics are recorded (a
-    # hook may add to them) and its checkpoint decision: the one place evaluation and other per-step work
-    # plug in (docs/JOBS.md, "Metrics").
+    # hook may add to them) and its checkpoint, but not after the step a stop signal ends the job at (its
+    # checkpoint comes first): the one place evaluation and other per-step work plug in (docs/JOBS.md,
+    # "Metrics").
     after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
 
 
@@ -255,13 +256,17 @@ def run_steps(job: Job) -> dict:
     with StopSignals() as stop:
         for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
             applied, metrics = run_step(job, step)
-            for hook in job.after_step:
-                hook(job, step, metrics)
+            # Decided together, read once: a signal to any rank stops all after this same step, its checkpoint
+            # before any hook's work; one arriving later is served after the next step.
+            stopping, due = job.world.any([stop.requested, job.checkpoints.due(step)])
+            if not stopping:
+                for hook in job.after_step:
+                    hook(job, step, metrics)
             if job.metrics_log:
                 record = record_step(job, step, applied, metrics)
             if job.guard.exhausted:
                 job.guard.stop(step, last_good_checkpoint(job))
-            if checkpoint_after(job, step, applied, stop.requested):
+            if checkpoint_after(job, step, applied, stopping, due):
                 break
     return record
 
@@ -306,12 +311,9 @@ def record_step(job: Job, step: int, applied: bool, metrics: dict) -> dict:
     return record
 
 
-def checkpoint_after(job: Job, step: int, applied: bool, stop_requested: bool) -> bool:
-    """Checkpoint after `step` when a stop was asked for, at the last step, or when one is due after a good
-    step; returns whether the job stops here."""
-    # Decided together, read once: a signal to any rank stops all after this same step; one arriving later
-    # is served after the next step.
-    stopping, due = job.world.any([stop_requested, job.checkpoints.due(step)])
+def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bool) -> bool:
+    """Checkpoint after `step` when the job is `stopping` (a signal), at the last step, or when one is `due`
+    after a good step; returns whether the job stops here."""
     # A skipped step left the weights untouched, so saving after it is safe; periodic saves still wait for a
     # good step, so "the last checkpoint" is never taken mid-divergence.
     if stopping or step == job.cfg.max_steps or (applied and due):
