@@ -99,6 +99,7 @@ def test_resume_refuses_a_changed_run_defining_setting(tmp_path):
 def test_resume_force_refuses_a_changed_shape_in_one_line(tmp_path, mode, change, setting):
     train(job_config(tmp_path, mode, "max_steps=2"))
     before = checkpoint_weights(tmp_path / "checkpoints" / "step-2")
+    records_before = {name: (tmp_path / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
     with pytest.raises(CheckpointError) as error:
         train(job_config(tmp_path, mode, "max_steps=3", "resume_force=true", change))
     message = str(error.value)
@@ -107,6 +108,7 @@ def test_resume_force_refuses_a_changed_shape_in_one_line(tmp_path, mode, change
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
     after = checkpoint_weights(tmp_path / "checkpoints" / "step-2")
     assert all(torch.equal(before[name], after[name]) for name in before)
+    assert {name: (tmp_path / name).read_bytes() for name in records_before} == records_before
 
 
 def test_fresh_start_refuses_to_overwrite_existing_checkpoints(tmp_path):

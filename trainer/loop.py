@@ -147,19 +147,21 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
 def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
               world: World) -> Job:
-    """Choose the checkpoint to resume, write config.yaml, build the model, data, optimizer and records, and
-    restore the checkpoint's state last (so the RNG streams continue exactly where it left them)."""
+    """Choose the checkpoint to resume, build the model (and check it fits the checkpoint), write config.yaml,
+    build the data, optimizer and records, and restore the checkpoint's state last (so the RNG streams continue
+    exactly where it left them)."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = agreed_checkpoint(cfg, checkpoints, world)
     world.barrier()     # every rank has read it before rank 0 writes anything
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
-
     built = build_model(cfg, device, plan, resumed=loaded is not None,
                         sequence_group=world.sequence_group if world.sequence > 1 else None)
     model = built.model
+    if loaded:
+        check_same_shapes(loaded, model, cfg)       # a refused resume leaves the run directory as it was
+    world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
     world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
     world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
@@ -174,7 +176,6 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     wandb_run, metrics_log = open_records(cfg, run_dir, progress, loaded is not None, built, device, world)
     flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
     if loaded:
-        check_same_shapes(loaded, model, cfg)
         checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.
