@@ -3,14 +3,12 @@ in its own run directory <output_dir>/<job number>."""
 import logging
 import os
 import sys
-from pathlib import Path
 
 from trainer.allocator import prefer_expandable_segments
 
 prefer_expandable_segments()       # before torch (imported below) initializes CUDA
 
 import hydra  # noqa: E402
-import yaml  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
@@ -24,8 +22,6 @@ register_configs()
 log = logging.getLogger("train")
 # Errors whose message already says what is wrong and what to change: shown without a traceback.
 USER_ERRORS = (ConfigError, DataError, HFCheckpointError, CheckpointError, BadStepsError)
-# A sweep job's command-line overrides, kept in its run directory.
-OVERRIDES_FILE = "overrides.yaml"
 # The jobs of this process's sweep that failed: "#<number> (<overrides>)".
 FAILED_JOBS: list[str] = []
 
@@ -55,13 +51,13 @@ def sweep_job() -> tuple[int, list[str]] | None:
 
 def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     """One job of a sweep in its own run directory, <output_dir>/<number> (a shared one would make each job
-    resume the previous), holding its overrides. A failed job is logged and counted, and the sweep goes on
-    to the next (the process's exit status says); a job stopped by a signal stops the sweep."""
+    resume the previous), holding its overrides (written by train() once it holds the directory). A failed
+    job is logged and counted, and the sweep goes on to the next (the process's exit status says); a job
+    stopped by a signal stops the sweep."""
     cfg.output_dir = os.path.join(cfg.output_dir, str(number))
     name = f"#{number} ({' '.join(overrides)})"
     try:
-        keep_overrides(Path(cfg.output_dir), overrides)
-        last = train(cfg)
+        last = train(cfg, overrides)
     except (*USER_ERRORS, OSError) as error:
         log.error("sweep job %s failed: %s", name, error)
         FAILED_JOBS.append(name)
@@ -73,12 +69,6 @@ def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     if last["step"] < cfg.max_steps:
         log.error("sweep job %s stopped by a signal: the sweep stops (run it again to continue each job)", name)
         sys.exit(130)
-
-
-def keep_overrides(run_dir: Path, overrides: list[str]) -> None:
-    """Write the job's overrides into its run directory, before it runs, so a failed job's are kept too."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / OVERRIDES_FILE).write_text(yaml.safe_dump(overrides))
 
 
 if __name__ == "__main__":

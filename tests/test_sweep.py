@@ -25,6 +25,25 @@ def test_each_job_of_a_sweep_runs_in_its_own_directory_and_a_failed_one_hides_no
         assert [r["step"] for r in records(job_dir)] == list(range(1, steps + 1))      # none resumed another
         assert yaml.safe_load((job_dir / "overrides.yaml").read_text())[-1] == f"max_steps={steps}"
         assert f"max_steps: {steps}" in (job_dir / "config.yaml").read_text()
-    assert yaml.safe_load((sweep / "0" / "overrides.yaml").read_text())[-1] == "max_steps=0"
-    assert not (sweep / "0" / "metrics.jsonl").exists() and (sweep / "multirun.yaml").is_file()
+    assert not (sweep / "0").exists() and (sweep / "multirun.yaml").is_file()     # refused before any write
     assert not (REPO / "multirun").exists()
+
+
+def test_a_sweep_job_writes_its_overrides_only_once_it_holds_its_run_directory(tmp_path):
+    import train as entry
+    from storage.lock import DirectoryLock
+    from tests.jobs_support import job_config
+    job_dir = tmp_path / "0"
+    job_dir.mkdir()
+    (job_dir / "overrides.yaml").write_text("- the running job's\n")
+    holder = DirectoryLock(job_dir / "run.lock")
+    holder.acquire()        # a job still running there (another sweep process)
+    try:
+        entry.run_sweep_job(job_config(tmp_path), 0, ["max_steps=2"])
+    finally:
+        holder.release()
+    assert entry.FAILED_JOBS == ["#0 (max_steps=2)"]
+    assert (job_dir / "overrides.yaml").read_text() == "- the running job's\n"
+    entry.FAILED_JOBS.clear()
+    entry.run_sweep_job(job_config(tmp_path), 0, ["max_steps=2"])
+    assert yaml.safe_load((job_dir / "overrides.yaml").read_text()) == ["max_steps=2"]

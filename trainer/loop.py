@@ -44,7 +44,7 @@ from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.run_dir import create_run_dir, keep_random_base, one_writer
+from trainer.run_dir import create_run_dir, keep_overrides, keep_random_base, one_writer
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
@@ -77,9 +77,10 @@ def gpu_name(device: torch.device) -> str:
     return f", gpu={torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
 
 
-def train(cfg) -> dict:
+def train(cfg, overrides: list[str] | None = None) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
-    step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed)."""
+    step's metrics. `overrides`: a sweep job's, kept in its run directory. Under torchrun every process runs
+    this, as one rank of the job (trainer.distributed)."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     record_architecture(cfg)
@@ -97,6 +98,8 @@ def train(cfg) -> dict:
         run_dir = Path(cfg.output_dir)
         world.on_main(lambda: create_run_dir(run_dir))
         with one_writer(run_dir, world), logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
+            if overrides is not None:
+                world.on_main(lambda: keep_overrides(run_dir, overrides))
             return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
     finally:
         close_world(world)

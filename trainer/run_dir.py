@@ -6,6 +6,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+import yaml
 
 from conf.validate import ConfigError
 from model.hf_checkpoint import full_weights, is_lora
@@ -16,6 +17,8 @@ from trainer.distributed import World
 
 # In the run directory: held by the run writing there (one_writer).
 RUN_LOCK = "run.lock"
+# A sweep job's command-line overrides, kept in its run directory.
+OVERRIDES_FILE = "overrides.yaml"
 
 
 def create_run_dir(run_dir: Path) -> None:
@@ -47,6 +50,12 @@ def take_run_dir(lock: DirectoryLock, run_dir: Path) -> None:
     except OSError as error:
         raise ConfigError(f"output_dir={run_dir} cannot be locked for this run ({error.strerror}): give an "
                           f"output_dir on a filesystem with file locks (docs/JOBS.md)") from None
+
+
+def keep_overrides(run_dir: Path, overrides: list[str]) -> None:
+    """Write a sweep job's overrides into its run directory, once its lock is held and before it runs, so a
+    job that fails keeps them too."""
+    (run_dir / OVERRIDES_FILE).write_text(yaml.safe_dump(overrides))
 
 
 def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
