@@ -16,11 +16,12 @@ from data.synthetic import RecallTask  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 
 
-def preflight_data(cfg: DataConfig, tokenizer_path: str | None) -> None:
-    """DataError when the files source's data.path or tokenizer (model.path) is not there, before any model
-    is built or file read; `cfg` has passed conf's validate."""
+def preflight_data(cfg: DataConfig, tokenizer_path: str | None, eval_path: str | None = None) -> None:
+    """DataError when the files source's data.path, eval.path or tokenizer (model.path) is not there, or
+    eval.path names training files, before any model is built or file read; `cfg` has passed conf's
+    validate."""
     if cfg.name == "files":
-        preflight_files(cfg, tokenizer_path)
+        preflight_files(cfg, tokenizer_path, eval_path)
 
 
 def build_data(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,

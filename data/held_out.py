@@ -37,7 +37,8 @@ def held_out_data(cfg: DataConfig, path: str | None, fraction: float, seq_len: i
     if cfg.name == "recall":
         stream = RecallTask(cfg, seq_len, batch_size, seed + RECALL_SEED_OFFSET, vocab_size)
         return HeldOut([next(stream) for _ in range(batches)], None)
-    documents, fmt, tokenizer = tokenized_documents(cfg, path or cfg.path, vocab_size, tokenizer_path)
+    documents, fmt, tokenizer = tokenized_documents(cfg, path or cfg.path, vocab_size, tokenizer_path,
+                                                    "eval.path" if path else "data.path")
     if not path:
         documents = documents.select(split_documents(len(documents), fraction)[1])
     stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, SPLIT_SEED)

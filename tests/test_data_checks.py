@@ -1,6 +1,7 @@
 """Bad data settings and input: rejected by conf's check or the data preflight before anything is built,
 or by the files source before training; and a files job through the trainer."""
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,21 @@ def test_bad_paths_are_rejected_early(path, message, tmp_path, checkpoint):
     (tmp_path / "notes.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=message):
         preflight_data(files_config(tmp_path / path, tmp_path), str(checkpoint))
+
+
+def test_held_out_files_that_are_training_files_are_refused_and_eval_path_is_named(text_file, tmp_path, checkpoint):
+    training = files_config(text_file, tmp_path)
+    for same in (text_file, tmp_path / "*.jsonl", tmp_path / "." / "docs.jsonl"):
+        with pytest.raises(DataError, match="^" + re.escape(f"eval.path='{same}' names 1 of the files data.path=")):
+            preflight_data(training, str(checkpoint), str(same))
+    with pytest.raises(DataError, match="^eval.path='missing.jsonl' is not an existing file"):
+        preflight_data(training, str(checkpoint), "missing.jsonl")
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "other.jsonl").write_text('{"body": "x"}\n')
+    preflight_data(training, str(checkpoint), str(tmp_path / "held"))       # files of their own
+    from data.held_out import held_out_data
+    with pytest.raises(DataError, match="^records in eval.path=.* have no field 'text'"):
+        held_out_data(training, str(tmp_path / "held"), 0.0, 16, 1, 0, 64, str(checkpoint), 1)
 
 
 def test_mixed_file_kinds_are_rejected(tmp_path, checkpoint):

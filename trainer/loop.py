@@ -84,7 +84,7 @@ def train(cfg, overrides: list[str] | None = None) -> dict:
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     record_architecture(cfg)
-    preflight_data(cfg.data, cfg.model.path)
+    preflight_data(cfg.data, cfg.model.path, cfg.eval.path)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
     try:
