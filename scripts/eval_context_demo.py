@@ -2,7 +2,7 @@
 at 1024, past the context it was trained at. Held-out loss by position shows the positions beyond 256, never
 seen in the first training, start far worse than the near ones and fall as the fine-tuning goes on.
 
-    python scripts/eval_context_demo.py [--work DIR] [--png docs/eval_context_extension.png]
+    .venv/bin/python scripts/eval_context_demo.py [--work DIR] [--png docs/eval_context_extension.png]
 
 A few minutes on one CPU core. Writes the PNG (one curve per evaluation) and prints each evaluation's figures.
 """

@@ -1,10 +1,10 @@
 """Evaluate a model as training does (trainer/evaluate.py): held-out loss and perplexity, loss by token
 position and passkey retrieval, on a GPU or the CPU.
 
-    python scripts/evaluate.py <run dir>/checkpoints/step-<N> --out <dir> [override ...]
-    python scripts/evaluate.py <exported or Hugging Face model dir> --out <dir> [override ...]
-    python scripts/evaluate.py --out <dir> model=llama3_1_8b model.path=/models/Llama-3.1-8B seq_len=65536
-    python scripts/evaluate.py --out <dir> model=llama3_8b seq_len=131072 eval.passkey.lengths=0 --repeat 2
+    .venv/bin/python scripts/evaluate.py <run dir>/checkpoints/step-<N> --out <dir> [override ...]
+    .venv/bin/python scripts/evaluate.py <exported or Hugging Face model dir> --out <dir> [override ...]
+    .venv/bin/python scripts/evaluate.py --out <dir> model=llama3_1_8b model.path=/models/Llama-3.1-8B seq_len=65536
+    .venv/bin/python scripts/evaluate.py --out <dir> model=llama3_8b seq_len=131072 eval.passkey.lengths=0 --repeat 2
 
 A training checkpoint is evaluated with its run's config (seq_len, batch_size, data, eval.*; LoRA adapters
 merged into their base, as scripts/export.py does); a model directory (an export, or any local Hugging Face
@@ -34,12 +34,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 import kernels  # noqa: E402
 from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.job import resolve_device  # noqa: E402
-from conf.validate import ConfigError, validate  # noqa: E402
+from conf.validate import ConfigError, check_known_keys, validate  # noqa: E402
 from data import DataError  # noqa: E402
 from model import Llama  # noqa: E402
 from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, HFCheckpointError  # noqa: E402
@@ -62,13 +64,19 @@ def job_config(source: Path | None, overrides: list[str]):
     """The config to evaluate with: a checkpoint's run config, or the defaults (with model.path=<source> for a
     model directory), the overrides on top; evaluation on (eval.at_start), whatever the run had."""
     register_configs()
-    if source is not None and is_checkpoint(source):
-        saved = OmegaConf.create((source / CONFIG_FILE).read_text())
-        cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), saved, OmegaConf.from_dotlist(overrides))
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            path = [f"model.path={source}"] if source is not None else []
-            cfg = compose("config", overrides=path + overrides)
+    try:
+        if source is not None and is_checkpoint(source):
+            saved = OmegaConf.create((source / CONFIG_FILE).read_text())
+            given = OmegaConf.from_dotlist(overrides)
+            check_known_keys(given)
+            cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), saved, given)
+        else:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                path = [f"model.path={source}"] if source is not None else []
+                cfg = compose("config", overrides=path + overrides)
+    except (HydraException, OmegaConfBaseException) as error:     # a misspelt key, a value of the wrong type
+        reasons = [str(reason).splitlines()[0] for reason in (error, error.__cause__) if reason]
+        raise ConfigError(f"the overrides {' '.join(overrides)} do not apply: {': '.join(reasons)}") from None
     cfg.eval.at_start = True
     return cfg
 

@@ -318,12 +318,18 @@ def test_evaluate_script_says_how_and_evaluates_a_checkpoint(tmp_path):
     done = subprocess.run([sys.executable, "scripts/evaluate.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, check=True)
     assert "checkpoint" in done.stdout and "model.path" in done.stdout
+    assert ".venv/bin/python scripts/evaluate.py <run dir>" in done.stdout
     train(job_config(tmp_path / "run", "max_steps=2", "checkpoint.every_steps=2", "eval.every_steps=2"))
     out = tmp_path / "eval"
     subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "run" / "checkpoints" / "step-2"),
                     "--out", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     figures = json.loads((out / "evaluation.json").read_text())
     trained = next(row for row in records(tmp_path / "run") if row["step"] == 2)
+    misspelt = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "run" / "checkpoints" / "step-2"),
+                               "--out", str(out), "eval.sequencs=4"], cwd=REPO, capture_output=True, text=True)
+    assert misspelt.returncode == 1 and misspelt.stderr.strip() == (
+        "evaluation failed: unknown setting eval.sequencs: the nearest is eval.sequences (eval has: every_steps, "
+        "sequences, at_start, path, fraction, passkey)")
     # The same weights, config, held-out sequences and kernels on the same CPU: the very figure training logged.
     assert figures["eval/loss"] == trained["eval/loss"] and figures["eval/tokens"] == trained["eval/tokens"] > 0
     assert (out / "loss_by_position.png").is_file()
