@@ -58,9 +58,10 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), local_files_only=True)
 
 
-def check_vocabulary(tokenizer, vocab_size: int, path: str) -> None:
+def check_vocabulary(tokenizer, vocab_size: int, path: str, setting: str = "model.path") -> None:
+    """DataError when the tokenizer at `path` (named by `setting`) has ids past the model's embedding."""
     if len(tokenizer) > vocab_size:
-        raise DataError(f"the tokenizer in model.path={path!r} has {len(tokenizer)} tokens but the model's "
+        raise DataError(f"the tokenizer in {setting}={path!r} has {len(tokenizer)} tokens but the model's "
                         f"vocab_size is {vocab_size}: token ids past the embedding would crash; use a checkpoint "
                         f"whose vocab_size covers its tokenizer")
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
-from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
+from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
 from trainer.build import BASE_MODEL_DIR, model_architecture  # noqa: E402
@@ -117,6 +117,8 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
     source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()
     weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg)
+    if tokenizer_copy:
+        check_vocabulary(load_tokenizer(str(tokenizer)), config["vocab_size"], str(tokenizer), "--tokenizer")
     target = stored if dtype == "auto" else DTYPES[dtype]
     config |= token_ids(source) if source else {}
     config["torch_dtype"] = str(target).removeprefix("torch.")
@@ -125,6 +127,14 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
         companions = [file for file in companions if file not in tokenizer_files(source)] + tokenizer_copy
     return save_hf_model_if_room({name: tensor.to(target) for name, tensor in weights.items()}, config, out_dir,
                                  companions)
+
+
+def why_no_tokenizer(checkpoint: Path) -> str:
+    """Why an export of `checkpoint` carried no tokenizer over: its run had no model.path, or that has none."""
+    model_path = OmegaConf.create((Path(checkpoint).expanduser() / CONFIG_FILE).read_text()).model.path
+    if not model_path:
+        return "the run had no model.path (random init)"
+    return f"the run's model.path={model_path} holds no tokenizer files"
 
 
 def main() -> None:
@@ -137,12 +147,13 @@ def main() -> None:
     args = parser.parse_args()
     try:
         out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
-    except (ExportError, CheckpointError, ConfigError, HFCheckpointError, OSError) as error:
+    except (ExportError, CheckpointError, ConfigError, DataError, HFCheckpointError, OSError) as error:
         sys.exit(f"export failed: {error}")
     print(f"exported {args.checkpoint} to {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     if not tokenizer_files(out):
-        print(f"no tokenizer written: the run had no model.path (random init), so pipeline() and AutoTokenizer "
-              f"cannot load {out}; add one with --tokenizer <dir of a saved tokenizer> (into a new out dir)")
+        print(f"no tokenizer written: {why_no_tokenizer(args.checkpoint)}, so pipeline() and AutoTokenizer cannot "
+              f"load {out}; add one with --tokenizer <dir of a saved tokenizer> (into a new out dir)")
+
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
         {"role": "assistant", "content": "see you"}]
 
 
-def save_tokenizer(directory: Path, chat_template: str | None = None):
+def save_tokenizer(directory: Path, chat_template: str | None = None, words: list[str] | None = None):
+    """A word-level tokenizer of SENTENCES' words (or of `words`) and four special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     core = Tokenizer(models.WordLevel(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>"]))
+    core.train_from_iterator(words or SENTENCES, trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<pad>", "<s>", "</s>"]))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
                                         bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = chat_template

@@ -189,3 +189,18 @@ def test_a_random_init_run_exports_without_a_tokenizer_says_so_in_one_line_and_t
     assert generate("the cat", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("the cat")
     wrong = export_command("wrong", "--tokenizer", str(tmp_path / "run"))
     assert wrong.returncode == 1 and wrong.stderr.startswith(f"export failed: --tokenizer {tmp_path / 'run'} holds no")
+    too_big = tmp_path / "big_tokenizer"        # more tokens than the model's 256 embeddings
+    save_tokenizer(too_big, words=[f"w{index}" for index in range(300)])
+    refused = export_command("big", "--tokenizer", str(too_big))
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        f"export failed: the tokenizer in --tokenizer='{too_big}' has 304 tokens but the model's vocab_size is 256: "
+        f"token ids past the embedding would crash; use a checkpoint whose vocab_size covers its tokenizer")
+    assert not (tmp_path / "big").exists()
+
+
+def test_an_export_without_a_tokenizer_says_why(tmp_path):
+    from scripts.export import why_no_tokenizer
+    (tmp_path / "config.yaml").write_text("model:\n  path: null\n")
+    assert why_no_tokenizer(tmp_path) == "the run had no model.path (random init)"
+    (tmp_path / "config.yaml").write_text("model:\n  path: /models/bare\n")
+    assert why_no_tokenizer(tmp_path) == "the run's model.path=/models/bare holds no tokenizer files"
