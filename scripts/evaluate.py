@@ -42,12 +42,12 @@ from conf.schema.job import resolve_device  # noqa: E402
 from conf.validate import ConfigError, validate  # noqa: E402
 from data import DataError  # noqa: E402
 from model import Llama  # noqa: E402
-from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, HFCheckpointError  # noqa: E402
+from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import model_architecture  # noqa: E402
+from trainer.build import model_architecture, rope_overrides  # noqa: E402
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
@@ -95,8 +95,7 @@ def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
         model.tie_weights()
         model = model.to(device=device, dtype=dtype)
     elif cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
-                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
     else:
         model = Llama.from_config(arch, dtype=dtype, device=device)
     model.train_rope_at(cfg.seq_len)

@@ -182,3 +182,31 @@ def test_data_summary_counts_trained_positions_beyond_the_context(text_file, tmp
     build_file_source(files_config(text_file, tmp_path), 16, 2, 0, 64, str(checkpoint), trained_context=12)
     assert "no trained token is at a position beyond model.path's context of 12" in caplog.text
 
+
+
+@pytest.fixture(scope="module")
+def linear_base(tmp_path_factory, short_base):
+    """short_base's weights under a linear rope scaling (its config.json's)."""
+    directory = tmp_path_factory.mktemp("linear_base")
+    for file in short_base.iterdir():
+        (directory / file.name).symlink_to(file)
+    config = json.loads((short_base / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config |= {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_the_default_rope_given_over_a_scaled_checkpoint_is_built(linear_base, short_base):
+    from trainer.build import build_model, checked_plan
+    cfg = job_config(REPO / "unused", f"model.path={linear_base}", "model.rope_scaling={rope_type: default}")
+    validate(cfg)
+    assert record_architecture(cfg).rope_type == "default"
+    device = torch.device("cpu")
+    built = build_model(cfg, device, checked_plan(cfg, device)).model.float()
+    assert built.config.rope_scaling is None
+    default = Llama.from_pretrained(short_base, dtype=torch.float32)
+    scaled = Llama.from_pretrained(linear_base, dtype=torch.float32)
+    assert (logits(default) - logits(scaled)).abs().max() > 1e-2
+    torch.testing.assert_close(logits(built), logits(default))

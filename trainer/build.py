@@ -93,13 +93,22 @@ def model_architecture(cfg) -> LlamaConfig:
     return with_rope(checkpoint, given)
 
 
+def rope_overrides(arch: LlamaConfig) -> dict:
+    """The rope settings of `arch` as loader overrides (Llama.from_pretrained), the default rope spelled out: a
+    None would keep the checkpoint's scaling."""
+    return {"rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling or {"rope_type": "default"},
+            "max_position_embeddings": arch.max_position_embeddings}
+
+
 def record_architecture(cfg) -> LlamaConfig:
     """Write the architecture the model is built with into cfg.model (with model.path: the checkpoint's values
     and the overrides, not the model group's), so that config.yaml, every checkpoint and W&B record it, and a
-    resume that would build another (a changed rope) is refused like a changed seq_len."""
+    resume that would build another (a changed rope) is refused like a changed seq_len. The default rope is
+    recorded as {rope_type: default}: null would mean model.path's scaling."""
     arch = model_architecture(cfg)
+    recorded = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | rope_overrides(arch)
     for key in ARCHITECTURE_KEYS:
-        cfg.model[key] = getattr(arch, key)
+        cfg.model[key] = recorded[key]
     return arch
 
 
@@ -222,8 +231,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     dtype = plan.weights_dtype
     arch = model_architecture(cfg)
     if cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
-                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
     else:
         if resumed:
