@@ -124,3 +124,17 @@ def test_an_unknown_rope_type_or_a_missing_parameter_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFCheckpointError, match="does not define a linear rope: .*factor"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["yarn", "longrope", "llama3"])
+def test_a_top_level_original_context_is_read_as_transformers_reads_it(tmp_path, name):
+    """Phi-3 style files keep original_max_position_embeddings beside the scaling; transformers takes it."""
+    hf_model(ROPES[name]).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_parameters"]["original_max_position_embeddings"]
+    config["original_max_position_embeddings"] = ORIGINAL
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = hf_logits(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
+    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == ORIGINAL
+    assert max_difference(our_logits(ours), expected) <= 1e-5
