@@ -99,17 +99,22 @@ def test_each_rope_type_matches_transformers_beyond_the_original_context(tmp_pat
     assert max_difference(our_logits(other), expected) > 1e-2
 
 
-def test_dynamic_and_longrope_are_computed_at_the_trained_length():
-    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length."""
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_dynamic_and_longrope_are_computed_at_the_trained_length(name):
+    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length (for
+    longrope: with its long factors, and their attention factor)."""
+    extended = LENGTH if name == "longrope" else ORIGINAL
     cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=ORIGINAL, rope_scaling=ROPES["dynamic"])
+                      num_key_value_heads=4, max_position_embeddings=extended, rope_theta=10000.0,
+                      rope_scaling=ROPES[name])
     model = Llama.from_config(cfg)
     short = model.model.rope(torch.arange(8)[None], torch.float32)[0]
     model.train_rope_at(LENGTH)
     fixed = model.model.rope(torch.arange(8)[None], torch.float32)[0]
-    inv_freq, _ = rope_frequencies(cfg, LENGTH)
+    inv_freq, attention_factor = rope_frequencies(cfg, LENGTH)
+    assert not torch.equal(inv_freq, rope_frequencies(cfg, 8)[0])
     angles = torch.arange(8).float()[:, None] * inv_freq
-    assert torch.equal(fixed[0, :, 0, : HEAD_DIM // 2], angles.cos())
+    torch.testing.assert_close(fixed[0, :, 0, : HEAD_DIM // 2], angles.cos() * attention_factor)
     assert not torch.equal(short, fixed)
 
 
