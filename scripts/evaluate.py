@@ -47,7 +47,7 @@ from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import model_architecture, rope_overrides  # noqa: E402
+from trainer.build import model_architecture, rope_overrides, saved_config  # noqa: E402
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
@@ -63,7 +63,7 @@ def job_config(source: Path | None, overrides: list[str]):
     model directory), the overrides on top; evaluation on (eval.at_start), whatever the run had."""
     register_configs()
     if source is not None and is_checkpoint(source):
-        saved = OmegaConf.create((source / CONFIG_FILE).read_text())
+        saved = saved_config((source / CONFIG_FILE).read_text())
         cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), saved, OmegaConf.from_dotlist(overrides))
     else:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -21,14 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
-from trainer.build import BASE_MODEL_DIR, model_architecture  # noqa: E402
+from trainer.build import BASE_MODEL_DIR, model_architecture, saved_config  # noqa: E402
 from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
 from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
                                        load_adapter)
@@ -112,7 +111,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     tokenizer_copy = tokenizer_source(tokenizer)
-    cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
+    cfg = saved_config((checkpoint / CONFIG_FILE).read_text())
     lora = (checkpoint / ADAPTER_DIR).is_dir()
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
     source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()

@@ -184,18 +184,22 @@ def test_data_summary_counts_trained_positions_beyond_the_context(text_file, tmp
 
 
 
+def variant(short_base, directory, **changes):
+    """short_base's weights (linked) beside its config.json with `changes`, in the older rope_scaling layout."""
+    for file in short_base.iterdir():
+        if file.name != "config.json":
+            (directory / file.name).symlink_to(file)
+    config = json.loads((short_base / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (directory / "config.json").write_text(json.dumps(config | {"rope_theta": 10000.0, **changes}))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def linear_base(tmp_path_factory, short_base):
     """short_base's weights under a linear rope scaling (its config.json's)."""
-    directory = tmp_path_factory.mktemp("linear_base")
-    for file in short_base.iterdir():
-        (directory / file.name).symlink_to(file)
-    config = json.loads((short_base / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config |= {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
-    (directory / "config.json").unlink()
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return variant(short_base, tmp_path_factory.mktemp("linear_base"),
+                   rope_scaling={"rope_type": "linear", "factor": 4.0})
 
 
 def test_the_default_rope_given_over_a_scaled_checkpoint_is_built(linear_base, short_base):
@@ -210,3 +214,49 @@ def test_the_default_rope_given_over_a_scaled_checkpoint_is_built(linear_base, s
     scaled = Llama.from_pretrained(linear_base, dtype=torch.float32)
     assert (logits(default) - logits(scaled)).abs().max() > 1e-2
     torch.testing.assert_close(logits(built), logits(default))
+
+
+# The model section c729dfe's trainer wrote into config.yaml for model=tiny with model.path (its schema's
+# max_position_embeddings and rope_theta beside the group's values; the checkpoint's config.json was built).
+C729DFE_MODEL = """\
+model:
+  name: tiny
+  path: {path}
+  vocab_size: 256
+  hidden_size: 128
+  intermediate_size: 384
+  num_hidden_layers: 2
+  num_attention_heads: 8
+  num_key_value_heads: 4
+  head_dim: null
+  max_position_embeddings: 8192
+  rms_norm_eps: 1.0e-05
+  rope_theta: 10000.0
+  rope_scaling: null
+  tie_word_embeddings: false
+"""
+
+
+def as_c729dfe_wrote_it(step, path) -> None:
+    """`step`'s config.yaml with the model section an unrecorded run saved, its COMPLETE marker updated."""
+    from storage.checksum import file_checksum
+    config, marker = step / "config.yaml", step / "COMPLETE"
+    saved = yaml.safe_load(config.read_text())
+    saved["model"] = yaml.safe_load(C729DFE_MODEL.format(path=path))["model"]
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    listing = json.loads(marker.read_text())
+    listing["files"]["config.yaml"] = config.stat().st_size
+    listing["crc32"]["config.yaml"] = file_checksum(config)
+    marker.write_text(json.dumps(listing))
+
+
+def test_a_run_saved_before_the_architecture_was_recorded_exports_and_resumes(tmp_path, short_base):
+    """Its max_position_embeddings 8192 is the schema's, not an override: the checkpoint's 128 was built."""
+    (tmp_path / "base").mkdir()
+    base = variant(short_base, tmp_path / "base", rope_theta=40000.0, max_position_embeddings=128)
+    run = tmp_path / "run"
+    train(job_config(run, "max_steps=2", "train=full", f"model.path={base}"))
+    as_c729dfe_wrote_it(run / "checkpoints" / "step-2", base)
+    exported = json.loads((export(run / "checkpoints" / "step-2", tmp_path / "hf") / "config.json").read_text())
+    assert (exported["rope_theta"], exported["max_position_embeddings"]) == (40000.0, 128)
+    assert train(job_config(run, "max_steps=3", "train=full", f"model.path={base}"))["step"] == 3

@@ -100,16 +100,29 @@ def rope_overrides(arch: LlamaConfig) -> dict:
             "max_position_embeddings": arch.max_position_embeddings}
 
 
-def record_architecture(cfg) -> LlamaConfig:
-    """Write the architecture the model is built with into cfg.model (with model.path: the checkpoint's values
-    and the overrides, not the model group's), so that config.yaml, every checkpoint and W&B record it, and a
-    resume that would build another (a changed rope) is refused like a changed seq_len. The default rope is
-    recorded as {rope_type: default}: null would mean model.path's scaling."""
-    arch = model_architecture(cfg)
+def record_architecture(cfg, arch: LlamaConfig | None = None) -> LlamaConfig:
+    """Write the architecture the model is built with (`arch`, default model_architecture) into cfg.model (with
+    model.path: the checkpoint's values and the overrides, not the model group's), so that config.yaml, every
+    checkpoint and W&B record it, and a resume that would build another (a changed rope) is refused like a
+    changed seq_len. The default rope is recorded as {rope_type: default}: null would mean model.path's
+    scaling."""
+    arch = arch or model_architecture(cfg)
     recorded = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | rope_overrides(arch)
     for key in ARCHITECTURE_KEYS:
         cfg.model[key] = recorded[key]
     return arch
+
+
+def saved_config(saved_yaml: str):
+    """A run's saved config.yaml with the architecture the run built recorded in it (record_architecture).
+    Runs from before it was recorded (head_dim null: record_architecture always writes an int) saved their
+    model group's and the schema's values beside model.path, and built model.path's config.json whatever they
+    said (c729dfe): that is what is recorded for them, so that their max_position_embeddings 8192 or rope_theta
+    500000 are not read as rope overrides."""
+    saved = OmegaConf.create(saved_yaml)
+    unrecorded = saved.model.path and saved.model.get("head_dim") is None
+    record_architecture(saved, checkpoint_architecture(saved) if unrecorded else None)
+    return saved
 
 
 def rope_changes(arch: LlamaConfig, checkpoint: LlamaConfig) -> dict:
