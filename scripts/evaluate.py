@@ -79,7 +79,7 @@ def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
     if problem:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
     if (checkpoint / ADAPTER_DIR).is_dir():
-        return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg))[0]
+        return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg), cfg)[0]
     return full_model(checkpoint, cfg)[0]
 
 

@@ -260,3 +260,16 @@ def test_a_run_saved_before_the_architecture_was_recorded_exports_and_resumes(tm
     exported = json.loads((export(run / "checkpoints" / "step-2", tmp_path / "hf") / "config.json").read_text())
     assert (exported["rope_theta"], exported["max_position_embeddings"]) == (40000.0, 128)
     assert train(job_config(run, "max_steps=3", "train=full", f"model.path={base}"))["step"] == 3
+
+
+def test_an_extended_adapter_exports_with_its_rope_without_base_model(extended_run, tmp_path):
+    """A run directory without base_model/ (not copied along): the merge still takes the run's rope."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    _, step, exported = extended_run
+    copy = tmp_path / "run" / "checkpoints" / "step-2"
+    shutil.copytree(step, copy)
+    again = export(copy, tmp_path / "hf")
+    assert json.loads((again / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
+    merged = [AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32) for path in (exported, again)]
+    torch.testing.assert_close(hf_logits(merged[1]), hf_logits(merged[0]), rtol=0, atol=0)
