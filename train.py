@@ -16,6 +16,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
+from trainer.build import given_model_keys  # noqa: E402
 from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
@@ -37,7 +38,7 @@ def main(cfg) -> None:
         run_sweep_job(cfg, *job)
         return
     try:
-        train(cfg)
+        train(cfg, command_line_keys())
     except USER_ERRORS as error:
         log.error("%s", error)
         sys.exit(2)
@@ -53,6 +54,13 @@ def sweep_job() -> tuple[int, list[str]] | None:
     return hydra_cfg.job.num, list(hydra_cfg.overrides.task)
 
 
+def command_line_keys() -> set[str]:
+    """The model settings this job's command line gives (a setting equal to the model group's is still the
+    user's: with model.path it overrides or is checked)."""
+    from hydra.core.hydra_config import HydraConfig
+    return given_model_keys(list(HydraConfig.get().overrides.task))
+
+
 def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     """One job of a sweep in its own run directory, <output_dir>/<number> (a shared one would make each job
     resume the previous), holding its overrides. A failed job is logged and counted, and the sweep goes on
@@ -61,7 +69,7 @@ def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     name = f"#{number} ({' '.join(overrides)})"
     try:
         keep_overrides(Path(cfg.output_dir), overrides)
-        last = train(cfg)
+        last = train(cfg, command_line_keys())
     except (*USER_ERRORS, OSError) as error:
         log.error("sweep job %s failed: %s", name, error)
         FAILED_JOBS.append(name)

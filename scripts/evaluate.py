@@ -47,7 +47,8 @@ from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import model_architecture, rope_overrides, saved_config  # noqa: E402
+from trainer.build import (given_model_keys, model_architecture, record_architecture, rope_overrides,  # noqa: E402
+                           saved_config)
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
@@ -60,7 +61,8 @@ def is_checkpoint(path: Path) -> bool:
 
 def job_config(source: Path | None, overrides: list[str]):
     """The config to evaluate with: a checkpoint's run config, or the defaults (with model.path=<source> for a
-    model directory), the overrides on top; evaluation on (eval.at_start), whatever the run had."""
+    model directory), the overrides on top, the architecture recorded (record_architecture: a setting the
+    command line gives is never taken for the model group's); evaluation on (eval.at_start), whatever the run had."""
     register_configs()
     if source is not None and is_checkpoint(source):
         saved = saved_config((source / CONFIG_FILE).read_text())
@@ -69,6 +71,7 @@ def job_config(source: Path | None, overrides: list[str]):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             path = [f"model.path={source}"] if source is not None else []
             cfg = compose("config", overrides=path + overrides)
+        record_architecture(cfg, given_keys=given_model_keys(overrides))
     cfg.eval.at_start = True
     return cfg
 

@@ -18,7 +18,7 @@ from conf.validate import ConfigError, validate
 from model import Llama
 from scripts.export import export
 from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
-from tests.jobs_support import FAST, REPO, job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import FAST, REPO, job_config, single_torch_thread, train_process  # noqa: F401
 from trainer.build import context_summary, record_architecture
 from trainer.checkpoint.format import ADAPTER_DIR, CheckpointError, load_adapter
 from trainer.checkpoint.resume import config_differences
@@ -273,3 +273,22 @@ def test_an_extended_adapter_exports_with_its_rope_without_base_model(extended_r
     assert json.loads((again / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
     merged = [AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32) for path in (exported, again)]
     torch.testing.assert_close(hf_logits(merged[1]), hf_logits(merged[0]), rtol=0, atol=0)
+
+
+def test_a_setting_equal_to_the_model_groups_is_still_the_users(tmp_path, short_base):
+    """model=tiny sets rope_theta 10000 and 8 heads: given on train.py's command line, they count."""
+    (tmp_path / "base").mkdir()
+    base = variant(short_base, tmp_path / "base", rope_theta=500000.0)
+    run = tmp_path / "run"
+    done = train_process(run, "max_steps=2", f"model.path={base}", "model.rope_theta=10000")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert recorded_model(run / "config.yaml")["rope_theta"] == 10000.0
+    done = train_process(tmp_path / "refused", "max_steps=2", f"model.path={base}", "model.num_attention_heads=8")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "model.num_attention_heads=8 differs from 4" in output, output[-3000:]
+
+
+def test_without_the_command_line_the_group_values_dropped_are_named(short_base, caplog):
+    cfg = job_config(REPO / "unused", f"model.path={short_base}")
+    record_architecture(cfg)
+    assert "replaces model=tiny's model.num_attention_heads=8 (built: 4)" in caplog.text

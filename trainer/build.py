@@ -45,13 +45,32 @@ def group_values(name: str) -> dict:
     return nested if isinstance(nested, dict) else values
 
 
-def given_architecture(model_cfg: dict) -> dict:
+def given_model_keys(overrides: list[str]) -> set[str]:
+    """The model settings a list of Hydra overrides gives: model.rope_theta=1e6 and +model.rope_scaling.factor=8
+    give rope_theta and rope_scaling; model=tiny (the group) gives none."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    keys = (override.key_or_group for override in OverridesParser.create().parse_overrides(overrides))
+    return {key.split(".")[1] for key in keys if key.startswith("model.")}
+
+
+def is_recorded(model_cfg) -> bool:
+    """Whether model settings are a run's recorded architecture (record_architecture always writes an int
+    head_dim; no model group sets one): then every value in them is the run's."""
+    return model_cfg["head_dim"] is not None
+
+
+def given_architecture(model_cfg: dict, given_keys: set[str] | None = None) -> dict:
     """The architecture settings of `model_cfg` (a plain dict) that were given rather than left to the model
-    group or the schema: with model.path, these must agree with the checkpoint (or override its rope). A
-    value equal to the group's counts as the group's."""
+    group or the schema: with model.path, these must agree with the checkpoint (or override its rope).
+    `given_keys`: the model keys the command line gave (given_model_keys); without them a value equal to the
+    group's counts as the group's, and record_architecture names those it drops."""
+    values = {key: model_cfg[key] for key in ARCHITECTURE_KEYS if model_cfg[key] not in (None, MISSING)}
+    if given_keys is not None:
+        return {key: value for key, value in values.items() if key in given_keys}
+    if is_recorded(model_cfg):
+        return values
     group, defaults = group_values(model_cfg["name"]), ModelConfig()
-    return {key: model_cfg[key] for key in ARCHITECTURE_KEYS
-            if model_cfg[key] not in (None, MISSING) and model_cfg[key] != group.get(key, getattr(defaults, key))}
+    return {key: value for key, value in values.items() if value != group.get(key, getattr(defaults, key))}
 
 
 def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:
@@ -76,14 +95,14 @@ def checkpoint_architecture(cfg) -> LlamaConfig:
     return read_config(Path(cfg.model.path).expanduser())
 
 
-def model_architecture(cfg) -> LlamaConfig:
+def model_architecture(cfg, given_keys: set[str] | None = None) -> LlamaConfig:
     """The architecture the model is built with: with model.path its config.json's, the rope settings given
     (model.rope_theta, model.rope_scaling, model.max_position_embeddings) applied and any other architecture
-    setting given checked against it; else the model group's."""
+    setting given checked against it (given_architecture); else the model group's."""
     if not cfg.model.path:
         return architecture(cfg.model)
     checkpoint = checkpoint_architecture(cfg)
-    given = given_architecture(model_values(cfg.model))
+    given = given_architecture(model_values(cfg.model), given_keys)
     for key, value in given.items():
         if key not in ROPE_OVERRIDE_KEYS and value != getattr(checkpoint, key):
             raise ConfigError(f"model.{key}={value} differs from {getattr(checkpoint, key)} in model.path's "
@@ -100,17 +119,35 @@ def rope_overrides(arch: LlamaConfig) -> dict:
             "max_position_embeddings": arch.max_position_embeddings}
 
 
-def record_architecture(cfg, arch: LlamaConfig | None = None) -> LlamaConfig:
-    """Write the architecture the model is built with (`arch`, default model_architecture) into cfg.model (with
-    model.path: the checkpoint's values and the overrides, not the model group's), so that config.yaml, every
-    checkpoint and W&B record it, and a resume that would build another (a changed rope) is refused like a
-    changed seq_len. The default rope is recorded as {rope_type: default}: null would mean model.path's
-    scaling."""
-    arch = arch or model_architecture(cfg)
+def record_architecture(cfg, arch: LlamaConfig | None = None, given_keys: set[str] | None = None) -> LlamaConfig:
+    """Write the architecture the model is built with (`arch`, default model_architecture with `given_keys`)
+    into cfg.model (with model.path: the checkpoint's values and the overrides, not the model group's), so that
+    config.yaml, every checkpoint and W&B record it, and a resume that would build another (a changed rope) is
+    refused like a changed seq_len. The default rope is recorded as {rope_type: default}: null would mean
+    model.path's scaling. Settings in cfg.model that the model built does not have are named in one line."""
+    if arch is None:
+        arch = model_architecture(cfg, given_keys)
+        log_unused(cfg, arch, given_keys)
     recorded = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | rope_overrides(arch)
     for key in ARCHITECTURE_KEYS:
         cfg.model[key] = recorded[key]
     return arch
+
+
+def log_unused(cfg, arch: LlamaConfig, given_keys: set[str] | None) -> None:
+    """One line naming the model group's settings that model.path's architecture replaces (a warning without
+    the command line's keys: one of them may have been given, equal to the group's)."""
+    if not cfg.model.path or is_recorded(cfg.model):
+        return
+    values = model_values(cfg.model)
+    built = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | {"rope_scaling": arch.rope_type}
+    values["rope_scaling"] = (values["rope_scaling"] or {}).get("rope_type", "default")
+    unused = [f"model.{key}={values[key]} (built: {built[key]})" for key in ARCHITECTURE_KEYS
+              if values[key] not in (None, MISSING) and values[key] != built[key]]
+    if unused:
+        level = logging.INFO if given_keys is not None else logging.WARNING
+        log.log(level, "model.path's config.json replaces model=%s's %s (docs/LONG_CONTEXT.md: only the rope "
+                "settings override it)", cfg.model.name, ", ".join(unused))
 
 
 def saved_config(saved_yaml: str):
