@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +92,18 @@ def architecture(model_cfg) -> LlamaConfig:
 
 
 def checkpoint_architecture(cfg) -> LlamaConfig:
-    """model.path's own architecture, as its config.json says."""
-    return read_config(Path(cfg.model.path).expanduser())
+    """model.path's own architecture, as its config.json says: read once while that file is unchanged (a
+    start asks for it many times), a copy each time."""
+    path = Path(cfg.model.path).expanduser()
+    config_file = path / "config.json"
+    stamp = (config_file.stat().st_mtime_ns, config_file.stat().st_size) if config_file.is_file() else None
+    return dataclasses.replace(read_checkpoint_config(str(path.resolve()), stamp))
+
+
+@functools.lru_cache(maxsize=16)
+def read_checkpoint_config(path: str, stamp: tuple[int, int] | None) -> LlamaConfig:
+    """read_config of `path`, cached by the config.json's modification time and size (`stamp`)."""
+    return read_config(Path(path))
 
 
 def model_architecture(cfg, given_keys: set[str] | None = None) -> LlamaConfig:
