@@ -372,7 +372,7 @@ def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.n
 def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:
     """Stop peft casting each adapter's input to the fp32 adapter dtype. Under bf16 autocast the adapter
     matmuls run in bf16 anyway, so the cast only added a bf16->fp32->bf16 round trip over every projection's
-    input, forward and backward (c729dfe:docs/BENCHMARKS.md, "Training (issue 5)"); the result is unchanged."""
+    input, forward and backward (docs/PERFORMANCE.md, "Design choices measured"); the result is unchanged."""
     for module in model.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False
