@@ -14,6 +14,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
+from trainer.build import given_model_keys  # noqa: E402
 from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
@@ -33,7 +34,7 @@ def main(cfg) -> None:
         run_sweep_job(cfg, *job)
         return
     try:
-        train(cfg)
+        train(cfg, command_line_keys())
     except USER_ERRORS as error:
         log.error("%s", error)
         sys.exit(2)
@@ -49,6 +50,13 @@ def sweep_job() -> tuple[int, list[str]] | None:
     return hydra_cfg.job.num, list(hydra_cfg.overrides.task)
 
 
+def command_line_keys() -> set[str]:
+    """The model settings this job's command line gives (a setting equal to the model group's is still the
+    user's: with model.path it overrides or is checked)."""
+    from hydra.core.hydra_config import HydraConfig
+    return given_model_keys(list(HydraConfig.get().overrides.task))
+
+
 def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     """One job of a sweep in its own run directory, <output_dir>/<number> (a shared one would make each job
     resume the previous), holding its overrides (written by train() once it holds the directory). A failed
@@ -57,7 +65,7 @@ def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     cfg.output_dir = os.path.join(cfg.output_dir, str(number))
     name = f"#{number} ({' '.join(overrides)})"
     try:
-        last = train(cfg, overrides)
+        last = train(cfg, command_line_keys(), overrides)
     except (*USER_ERRORS, OSError) as error:
         log.error("sweep job %s failed: %s", name, error)
         FAILED_JOBS.append(name)

@@ -17,6 +17,8 @@ ROPE_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 ROPE_TYPES = tuple(ROPE_KEYS)
+# The rope types that scale from an original context (rope_scaling's original_max_position_embeddings).
+ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
 
 
 @dataclass
@@ -62,6 +64,8 @@ class LlamaConfig:
         if rope_parameters:
             values.setdefault("rope_theta", rope_parameters.get("rope_theta", cls.rope_theta))
             values["rope_scaling"] = rope_parameters
+        values["rope_scaling"] = with_original_context(values.get("rope_scaling"),
+                                                       values.pop("original_max_position_embeddings", None))
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
@@ -78,6 +82,14 @@ class LlamaConfig:
         values.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                       attention_bias=False, mlp_bias=False)
         return values
+
+
+def with_original_context(scaling: dict[str, Any] | None, original: int | None) -> dict[str, Any] | None:
+    """`scaling` with a config.json's top-level original_max_position_embeddings (Phi-3 style files) moved in,
+    where its type reads one: transformers gives that top-level value priority over the scaling's own."""
+    if original is None or not scaling or scaling.get("rope_type", scaling.get("type")) not in ORIGINAL_CONTEXT_TYPES:
+        return scaling
+    return {**scaling, "original_max_position_embeddings": original}
 
 
 def canonical_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.config import LlamaConfig
+from model.config import ORIGINAL_CONTEXT_TYPES, LlamaConfig
 from model.rope import check_rope
 from storage.atomic import atomic_directory
 
@@ -64,7 +64,7 @@ def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
                          f"{', '.join(unknown)}")
     changes = {key: value for key, value in overrides.items() if value is not None}
     scaling = changes.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) in ("llama3", "yarn", "longrope"):
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ORIGINAL_CONTEXT_TYPES:
         changes["rope_scaling"] = {**scaling, "original_max_position_embeddings":
                                    scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)}
     cfg = dataclasses.replace(cfg, **changes)

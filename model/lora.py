@@ -1,9 +1,8 @@
 """LoRA adapters at the cost of their matrix products: each adapter's up-projection, its scaling and the add
 onto the base projection's output run as one `addmm` (cuBLAS applies the scaling and the add in its
 epilogue), instead of peft's product, then a multiply and an add over the whole [tokens, out_features]
-output, in the forward, in the backward and again in every checkpointed recomputation: a tenth of a
-32k-token LoRA step on the H100 before this (`git show c729dfe:docs/BENCHMARKS.md`, "Step profile by
-kind").
+output, in the forward, in the backward and again in every checkpointed recomputation (what that cost a
+LoRA step: docs/PERFORMANCE.md, "Design choices measured").
 
 The parameters, their names and peft's adapter format are untouched: only each adapter layer's `forward`
 is replaced on the instance, and it hands back to peft's own forward whenever peft would do more than one

@@ -47,7 +47,7 @@ GPU_RESERVE = 2 * GIB
 # Fraction of the GPU the plan may fill with predicted allocations (fragmentation, prediction error).
 GPU_FILL = 0.94
 # Host memory of the training process without pinned buffers (CUDA libraries, Python, data): the peak RSS
-# scripts/bench_train.py measured on the H100's host (c729dfe:docs/BENCHMARKS.md, "Training (issue 5)"); a
+# scripts/bench_train.py measured on the H100's host (docs/PERFORMANCE.md, "Design choices measured"); a
 # real data pipeline adds its own.
 HOST_BASELINE = int(1.5 * GIB)
 # Adam: fp32 param + grad + two moments per trainable parameter.

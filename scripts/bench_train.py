@@ -54,10 +54,14 @@ def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
 
     from conf.schema import register_configs
 
+    from trainer.build import given_model_keys, record_architecture
+
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        return compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
-                                            *overrides])
+        cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
+                                           *overrides])
+    record_architecture(cfg, given_keys=given_model_keys(overrides))
+    return cfg
 
 
 def cap_to_planned_gpu(cfg, device: torch.device) -> float | None:

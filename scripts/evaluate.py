@@ -44,12 +44,13 @@ from conf.schema.job import resolve_device  # noqa: E402
 from conf.validate import ConfigError, check_known_keys, validate  # noqa: E402
 from data import DataError  # noqa: E402
 from model import Llama  # noqa: E402
-from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, HFCheckpointError  # noqa: E402
+from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import model_architecture  # noqa: E402
+from trainer.build import (given_model_keys, model_architecture, record_architecture, rope_overrides,  # noqa: E402
+                           saved_config)
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
@@ -62,11 +63,12 @@ def is_checkpoint(path: Path) -> bool:
 
 def job_config(source: Path | None, overrides: list[str]):
     """The config to evaluate with: a checkpoint's run config, or the defaults (with model.path=<source> for a
-    model directory), the overrides on top; evaluation on (eval.at_start), whatever the run had."""
+    model directory), the overrides on top, the architecture recorded (record_architecture: a setting the
+    command line gives is never taken for the model group's); evaluation on (eval.at_start), whatever the run had."""
     register_configs()
     try:
         if source is not None and is_checkpoint(source):
-            saved = OmegaConf.create((source / CONFIG_FILE).read_text())
+            saved = saved_config((source / CONFIG_FILE).read_text())
             given = OmegaConf.from_dotlist(overrides)
             check_known_keys(given)
             cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), saved, given)
@@ -74,6 +76,7 @@ def job_config(source: Path | None, overrides: list[str]):
             with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
                 path = [f"model.path={source}"] if source is not None else []
                 cfg = compose("config", overrides=path + overrides)
+            record_architecture(cfg, given_keys=given_model_keys(overrides))
     except (HydraException, OmegaConfBaseException) as error:     # a misspelt key, a value of the wrong type
         reasons = [str(reason).splitlines()[0] for reason in (error, error.__cause__) if reason]
         raise ConfigError(f"the overrides {' '.join(overrides)} do not apply: {': '.join(reasons)}") from None
@@ -87,7 +90,7 @@ def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
     if problem:
         raise ExportError(f"cannot evaluate {checkpoint}: {problem}")
     if (checkpoint / ADAPTER_DIR).is_dir():
-        return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg))[0]
+        return merged_lora(checkpoint, lora_base_dir(checkpoint, cfg), cfg)[0]
     return full_model(checkpoint, cfg)[0]
 
 
@@ -116,8 +119,7 @@ def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
         load_weights(model, checkpoint_weights(source, cfg), source)
         model = model.to(device=device, dtype=dtype)
     elif cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
-                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
     else:
         model = Llama.from_config(arch, dtype=dtype, device=device)
     model.train_rope_at(cfg.seq_len)

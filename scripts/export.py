@@ -21,14 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from model import Llama  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
-from trainer.build import BASE_MODEL_DIR, model_architecture  # noqa: E402
+from trainer.build import BASE_MODEL_DIR, model_architecture, rope_overrides, saved_config  # noqa: E402
 from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
 from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
                                        load_adapter)
@@ -56,7 +56,8 @@ def companion_files(model_dir: Path) -> list[Path]:
 
 
 def lora_base_dir(checkpoint: Path, cfg) -> Path:
-    """The run's base_model/ (a random init, or model.path under a changed rope), else model.path."""
+    """The run's base_model/ (a random init, or model.path under a changed rope), else model.path (merged_lora
+    gives it the run's rope)."""
     base = checkpoint.parent.parent / BASE_MODEL_DIR
     if cfg.model.path and not base.is_dir():
         return Path(cfg.model.path).expanduser()
@@ -68,9 +69,12 @@ def lora_base_dir(checkpoint: Path, cfg) -> Path:
     return base
 
 
-def merged_lora(checkpoint: Path, base_dir: Path) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
-    """(weights, config.json, stored dtype) of the base with the adapter merged in, computed in fp32."""
-    base = Llama.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu")
+def merged_lora(checkpoint: Path, base_dir: Path, cfg) -> tuple[dict[str, torch.Tensor], dict, torch.dtype]:
+    """(weights, config.json, stored dtype) of the base with the adapter merged in, computed in fp32. The base
+    is loaded with the run's rope (model_architecture), so that an adapter trained on a changed rope is never
+    merged onto model.path's old one, whether or not the run's base_model/ is there."""
+    base = Llama.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu",
+                                 overrides=rope_overrides(model_architecture(cfg)))
     merged = load_adapter(base, checkpoint / ADAPTER_DIR).merge_and_unload()
     return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])
 
@@ -112,11 +116,11 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     tokenizer_copy = tokenizer_source(tokenizer)
-    cfg = OmegaConf.create((checkpoint / CONFIG_FILE).read_text())
+    cfg = saved_config((checkpoint / CONFIG_FILE).read_text())
     lora = (checkpoint / ADAPTER_DIR).is_dir()
     # The Hugging Face directory the model came from: its tokenizer, generation config and token ids go along.
     source = lora_base_dir(checkpoint, cfg) if lora else cfg.model.path and Path(cfg.model.path).expanduser()
-    weights, config, stored = merged_lora(checkpoint, source) if lora else full_model(checkpoint, cfg)
+    weights, config, stored = merged_lora(checkpoint, source, cfg) if lora else full_model(checkpoint, cfg)
     if tokenizer_copy:
         check_vocabulary(load_tokenizer(str(tokenizer)), config["vocab_size"], str(tokenizer), "--tokenizer")
     target = stored if dtype == "auto" else DTYPES[dtype]
@@ -131,7 +135,7 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
 
 def why_no_tokenizer(checkpoint: Path) -> str:
     """Why an export of `checkpoint` carried no tokenizer over: its run had no model.path, or that has none."""
-    model_path = OmegaConf.create((Path(checkpoint).expanduser() / CONFIG_FILE).read_text()).model.path
+    model_path = yaml.safe_load((Path(checkpoint).expanduser() / CONFIG_FILE).read_text())["model"]["path"]
     if not model_path:
         return "the run had no model.path (random init)"
     return f"the run's model.path={model_path} holds no tokenizer files"

@@ -18,7 +18,8 @@ from conf.validate import ConfigError, validate
 from model import Llama
 from scripts.export import export
 from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
-from tests.jobs_support import FAST, REPO, job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import FAST, REPO, job_config, single_torch_thread, train_process  # noqa: F401
+from model.hf_checkpoint import read_config
 from trainer.build import context_summary, record_architecture
 from trainer.checkpoint.format import ADAPTER_DIR, CheckpointError, load_adapter
 from trainer.checkpoint.resume import config_differences
@@ -182,3 +183,122 @@ def test_data_summary_counts_trained_positions_beyond_the_context(text_file, tmp
     build_file_source(files_config(text_file, tmp_path), 16, 2, 0, 64, str(checkpoint), trained_context=12)
     assert "no trained token is at a position beyond model.path's context of 12" in caplog.text
 
+
+
+def variant(short_base, directory, **changes):
+    """short_base's weights (linked) beside its config.json with `changes`, in the older rope_scaling layout."""
+    for file in short_base.iterdir():
+        if file.name != "config.json":
+            (directory / file.name).symlink_to(file)
+    config = json.loads((short_base / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (directory / "config.json").write_text(json.dumps(config | {"rope_theta": 10000.0, **changes}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def linear_base(tmp_path_factory, short_base):
+    """short_base's weights under a linear rope scaling (its config.json's)."""
+    return variant(short_base, tmp_path_factory.mktemp("linear_base"),
+                   rope_scaling={"rope_type": "linear", "factor": 4.0})
+
+
+def test_the_default_rope_given_over_a_scaled_checkpoint_is_built(linear_base, short_base):
+    from trainer.build import build_model, checked_plan
+    cfg = job_config(REPO / "unused", f"model.path={linear_base}", "model.rope_scaling={rope_type: default}")
+    validate(cfg)
+    assert record_architecture(cfg).rope_type == "default"
+    device = torch.device("cpu")
+    built = build_model(cfg, device, checked_plan(cfg, device)).model.float()
+    assert built.config.rope_scaling is None
+    default = Llama.from_pretrained(short_base, dtype=torch.float32)
+    scaled = Llama.from_pretrained(linear_base, dtype=torch.float32)
+    assert (logits(default) - logits(scaled)).abs().max() > 1e-2
+    torch.testing.assert_close(logits(built), logits(default))
+
+
+# The model section c729dfe's trainer wrote into config.yaml for model=tiny with model.path (its schema's
+# max_position_embeddings and rope_theta beside the group's values; the checkpoint's config.json was built).
+C729DFE_MODEL = """\
+model:
+  name: tiny
+  path: {path}
+  vocab_size: 256
+  hidden_size: 128
+  intermediate_size: 384
+  num_hidden_layers: 2
+  num_attention_heads: 8
+  num_key_value_heads: 4
+  head_dim: null
+  max_position_embeddings: 8192
+  rms_norm_eps: 1.0e-05
+  rope_theta: 10000.0
+  rope_scaling: null
+  tie_word_embeddings: false
+"""
+
+
+def as_c729dfe_wrote_it(step, path) -> None:
+    """`step`'s config.yaml with the model section an unrecorded run saved, its COMPLETE marker updated."""
+    from storage.checksum import file_checksum
+    config, marker = step / "config.yaml", step / "COMPLETE"
+    saved = yaml.safe_load(config.read_text())
+    saved["model"] = yaml.safe_load(C729DFE_MODEL.format(path=path))["model"]
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    listing = json.loads(marker.read_text())
+    listing["files"]["config.yaml"] = config.stat().st_size
+    listing["crc32"]["config.yaml"] = file_checksum(config)
+    marker.write_text(json.dumps(listing))
+
+
+def test_a_run_saved_before_the_architecture_was_recorded_exports_and_resumes(tmp_path, short_base):
+    """Its max_position_embeddings 8192 is the schema's, not an override: the checkpoint's 128 was built."""
+    (tmp_path / "base").mkdir()
+    base = variant(short_base, tmp_path / "base", rope_theta=40000.0, max_position_embeddings=128)
+    run = tmp_path / "run"
+    train(job_config(run, "max_steps=2", "train=full", f"model.path={base}"))
+    as_c729dfe_wrote_it(run / "checkpoints" / "step-2", base)
+    exported = json.loads((export(run / "checkpoints" / "step-2", tmp_path / "hf") / "config.json").read_text())
+    assert (exported["rope_theta"], exported["max_position_embeddings"]) == (40000.0, 128)
+    assert train(job_config(run, "max_steps=3", "train=full", f"model.path={base}"))["step"] == 3
+
+
+def test_an_extended_adapter_exports_with_its_rope_without_base_model(extended_run, tmp_path):
+    """A run directory without base_model/ (not copied along): the merge still takes the run's rope."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    _, step, exported = extended_run
+    copy = tmp_path / "run" / "checkpoints" / "step-2"
+    shutil.copytree(step, copy)
+    again = export(copy, tmp_path / "hf")
+    assert json.loads((again / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
+    merged = [AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32) for path in (exported, again)]
+    torch.testing.assert_close(hf_logits(merged[1]), hf_logits(merged[0]), rtol=0, atol=0)
+
+
+def test_a_setting_equal_to_the_model_groups_is_still_the_users(tmp_path, short_base):
+    """model=tiny sets rope_theta 10000 and 8 heads: given on train.py's command line, they count."""
+    (tmp_path / "base").mkdir()
+    base = variant(short_base, tmp_path / "base", rope_theta=500000.0)
+    run = tmp_path / "run"
+    done = train_process(run, "max_steps=2", f"model.path={base}", "model.rope_theta=10000")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert recorded_model(run / "config.yaml")["rope_theta"] == 10000.0
+    done = train_process(tmp_path / "refused", "max_steps=2", f"model.path={base}", "model.num_attention_heads=8")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "model.num_attention_heads=8 differs from 4" in output, output[-3000:]
+
+
+def test_without_the_command_line_the_group_values_dropped_are_named(short_base, caplog):
+    cfg = job_config(REPO / "unused", f"model.path={short_base}")
+    record_architecture(cfg)
+    assert "replaces model=tiny's model.num_attention_heads=8 (built: 4)" in caplog.text
+
+
+def test_a_start_reads_model_paths_config_once(tmp_path, short_base, monkeypatch):
+    import trainer.build
+    reads = []
+    monkeypatch.setattr(trainer.build, "read_config", lambda path: reads.append(path) or read_config(path))
+    trainer.build.read_checkpoint_config.cache_clear()
+    train(job_config(tmp_path / "run", "max_steps=2", f"model.path={short_base}", "model.rope_theta=40000"))
+    assert len(reads) == 1

@@ -99,17 +99,22 @@ def test_each_rope_type_matches_transformers_beyond_the_original_context(tmp_pat
     assert max_difference(our_logits(other), expected) > 1e-2
 
 
-def test_dynamic_and_longrope_are_computed_at_the_trained_length():
-    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length."""
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_dynamic_and_longrope_are_computed_at_the_trained_length(name):
+    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length (for
+    longrope: with its long factors, and their attention factor)."""
+    extended = LENGTH if name == "longrope" else ORIGINAL
     cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=ORIGINAL, rope_scaling=ROPES["dynamic"])
+                      num_key_value_heads=4, max_position_embeddings=extended, rope_theta=10000.0,
+                      rope_scaling=ROPES[name])
     model = Llama.from_config(cfg)
     short = model.model.rope(torch.arange(8)[None], torch.float32)[0]
     model.train_rope_at(LENGTH)
     fixed = model.model.rope(torch.arange(8)[None], torch.float32)[0]
-    inv_freq, _ = rope_frequencies(cfg, LENGTH)
+    inv_freq, attention_factor = rope_frequencies(cfg, LENGTH)
+    assert not torch.equal(inv_freq, rope_frequencies(cfg, 8)[0])
     angles = torch.arange(8).float()[:, None] * inv_freq
-    assert torch.equal(fixed[0, :, 0, : HEAD_DIM // 2], angles.cos())
+    torch.testing.assert_close(fixed[0, :, 0, : HEAD_DIM // 2], angles.cos() * attention_factor)
     assert not torch.equal(short, fixed)
 
 
@@ -124,3 +129,17 @@ def test_an_unknown_rope_type_or_a_missing_parameter_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFCheckpointError, match="does not define a linear rope: .*factor"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["yarn", "longrope", "llama3"])
+def test_a_top_level_original_context_is_read_as_transformers_reads_it(tmp_path, name):
+    """Phi-3 style files keep original_max_position_embeddings beside the scaling; transformers takes it."""
+    hf_model(ROPES[name]).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_parameters"]["original_max_position_embeddings"]
+    config["original_max_position_embeddings"] = ORIGINAL
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = hf_logits(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
+    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == ORIGINAL
+    assert max_difference(our_logits(ours), expected) <= 1e-5

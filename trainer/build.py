@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +46,32 @@ def group_values(name: str) -> dict:
     return nested if isinstance(nested, dict) else values
 
 
-def given_architecture(model_cfg: dict) -> dict:
+def given_model_keys(overrides: list[str]) -> set[str]:
+    """The model settings a list of Hydra overrides gives: model.rope_theta=1e6 and +model.rope_scaling.factor=8
+    give rope_theta and rope_scaling; model=tiny (the group) gives none."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    keys = (override.key_or_group for override in OverridesParser.create().parse_overrides(overrides))
+    return {key.split(".")[1] for key in keys if key.startswith("model.")}
+
+
+def is_recorded(model_cfg) -> bool:
+    """Whether model settings are a run's recorded architecture (record_architecture always writes an int
+    head_dim; no model group sets one): then every value in them is the run's."""
+    return model_cfg["head_dim"] is not None
+
+
+def given_architecture(model_cfg: dict, given_keys: set[str] | None = None) -> dict:
     """The architecture settings of `model_cfg` (a plain dict) that were given rather than left to the model
-    group or the schema: with model.path, these must agree with the checkpoint (or override its rope). A
-    value equal to the group's counts as the group's."""
+    group or the schema: with model.path, these must agree with the checkpoint (or override its rope).
+    `given_keys`: the model keys the command line gave (given_model_keys); without them a value equal to the
+    group's counts as the group's, and record_architecture names those it drops."""
+    values = {key: model_cfg[key] for key in ARCHITECTURE_KEYS if model_cfg[key] not in (None, MISSING)}
+    if given_keys is not None:
+        return {key: value for key, value in values.items() if key in given_keys}
+    if is_recorded(model_cfg):
+        return values
     group, defaults = group_values(model_cfg["name"]), ModelConfig()
-    return {key: model_cfg[key] for key in ARCHITECTURE_KEYS
-            if model_cfg[key] not in (None, MISSING) and model_cfg[key] != group.get(key, getattr(defaults, key))}
+    return {key: value for key, value in values.items() if value != group.get(key, getattr(defaults, key))}
 
 
 def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:
@@ -72,18 +92,28 @@ def architecture(model_cfg) -> LlamaConfig:
 
 
 def checkpoint_architecture(cfg) -> LlamaConfig:
-    """model.path's own architecture, as its config.json says."""
-    return read_config(Path(cfg.model.path).expanduser())
+    """model.path's own architecture, as its config.json says: read once while that file is unchanged (a
+    start asks for it many times), a copy each time."""
+    path = Path(cfg.model.path).expanduser()
+    config_file = path / "config.json"
+    stamp = (config_file.stat().st_mtime_ns, config_file.stat().st_size) if config_file.is_file() else None
+    return dataclasses.replace(read_checkpoint_config(str(path.resolve()), stamp))
 
 
-def model_architecture(cfg) -> LlamaConfig:
+@functools.lru_cache(maxsize=16)
+def read_checkpoint_config(path: str, stamp: tuple[int, int] | None) -> LlamaConfig:
+    """read_config of `path`, cached by the config.json's modification time and size (`stamp`)."""
+    return read_config(Path(path))
+
+
+def model_architecture(cfg, given_keys: set[str] | None = None) -> LlamaConfig:
     """The architecture the model is built with: with model.path its config.json's, the rope settings given
     (model.rope_theta, model.rope_scaling, model.max_position_embeddings) applied and any other architecture
-    setting given checked against it; else the model group's."""
+    setting given checked against it (given_architecture); else the model group's."""
     if not cfg.model.path:
         return architecture(cfg.model)
     checkpoint = checkpoint_architecture(cfg)
-    given = given_architecture(model_values(cfg.model))
+    given = given_architecture(model_values(cfg.model), given_keys)
     for key, value in given.items():
         if key not in ROPE_OVERRIDE_KEYS and value != getattr(checkpoint, key):
             raise ConfigError(f"model.{key}={value} differs from {getattr(checkpoint, key)} in model.path's "
@@ -93,14 +123,54 @@ def model_architecture(cfg) -> LlamaConfig:
     return with_rope(checkpoint, given)
 
 
-def record_architecture(cfg) -> LlamaConfig:
-    """Write the architecture the model is built with into cfg.model (with model.path: the checkpoint's values
-    and the overrides, not the model group's), so that config.yaml, every checkpoint and W&B record it, and a
-    resume that would build another (a changed rope) is refused like a changed seq_len."""
-    arch = model_architecture(cfg)
+def rope_overrides(arch: LlamaConfig) -> dict:
+    """The rope settings of `arch` as loader overrides (Llama.from_pretrained), the default rope spelled out: a
+    None would keep the checkpoint's scaling."""
+    return {"rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling or {"rope_type": "default"},
+            "max_position_embeddings": arch.max_position_embeddings}
+
+
+def record_architecture(cfg, arch: LlamaConfig | None = None, given_keys: set[str] | None = None) -> LlamaConfig:
+    """Write the architecture the model is built with (`arch`, default model_architecture with `given_keys`)
+    into cfg.model (with model.path: the checkpoint's values and the overrides, not the model group's), so that
+    config.yaml, every checkpoint and W&B record it, and a resume that would build another (a changed rope) is
+    refused like a changed seq_len. The default rope is recorded as {rope_type: default}: null would mean
+    model.path's scaling. Settings in cfg.model that the model built does not have are named in one line."""
+    if arch is None:
+        arch = model_architecture(cfg, given_keys)
+        log_unused(cfg, arch, given_keys)
+    recorded = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | rope_overrides(arch)
     for key in ARCHITECTURE_KEYS:
-        cfg.model[key] = getattr(arch, key)
+        cfg.model[key] = recorded[key]
     return arch
+
+
+def log_unused(cfg, arch: LlamaConfig, given_keys: set[str] | None) -> None:
+    """One line naming the model group's settings that model.path's architecture replaces (a warning without
+    the command line's keys: one of them may have been given, equal to the group's)."""
+    if not cfg.model.path or is_recorded(cfg.model):
+        return
+    values = model_values(cfg.model)
+    built = {key: getattr(arch, key) for key in ARCHITECTURE_KEYS} | {"rope_scaling": arch.rope_type}
+    values["rope_scaling"] = (values["rope_scaling"] or {}).get("rope_type", "default")
+    unused = [f"model.{key}={values[key]} (built: {built[key]})" for key in ARCHITECTURE_KEYS
+              if values[key] not in (None, MISSING) and values[key] != built[key]]
+    if unused:
+        level = logging.INFO if given_keys is not None else logging.WARNING
+        log.log(level, "model.path's config.json replaces model=%s's %s (docs/LONG_CONTEXT.md: only the rope "
+                "settings override it)", cfg.model.name, ", ".join(unused))
+
+
+def saved_config(saved_yaml: str):
+    """A run's saved config.yaml with the architecture the run built recorded in it (record_architecture).
+    Runs from before it was recorded (head_dim null: record_architecture always writes an int) saved their
+    model group's and the schema's values beside model.path, and built model.path's config.json whatever they
+    said (c729dfe): that is what is recorded for them, so that their max_position_embeddings 8192 or rope_theta
+    500000 are not read as rope overrides."""
+    saved = OmegaConf.create(saved_yaml)
+    unrecorded = saved.model.path and saved.model.get("head_dim") is None
+    record_architecture(saved, checkpoint_architecture(saved) if unrecorded else None)
+    return saved
 
 
 def rope_changes(arch: LlamaConfig, checkpoint: LlamaConfig) -> dict:
@@ -222,8 +292,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     dtype = plan.weights_dtype
     arch = model_architecture(cfg)
     if cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device,
-                                      overrides={key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS})
+        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
     else:
         if resumed:
@@ -303,7 +372,7 @@ def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.n
 def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:
     """Stop peft casting each adapter's input to the fp32 adapter dtype. Under bf16 autocast the adapter
     matmuls run in bf16 anyway, so the cast only added a bf16->fp32->bf16 round trip over every projection's
-    input, forward and backward (c729dfe:docs/BENCHMARKS.md, "Training (issue 5)"); the result is unchanged."""
+    input, forward and backward (docs/PERFORMANCE.md, "Design choices measured"); the result is unchanged."""
     for module in model.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False

@@ -77,13 +77,14 @@ def gpu_name(device: torch.device) -> str:
     return f", gpu={torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
 
 
-def train(cfg, overrides: list[str] | None = None) -> dict:
+def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None = None) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
-    step's metrics. `overrides`: a sweep job's, kept in its run directory. Under torchrun every process runs
-    this, as one rank of the job (trainer.distributed)."""
+    step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed).
+    `given_keys`: the model settings the command line gave (trainer.build.given_model_keys); `overrides`: a
+    sweep job's, kept in its run directory."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
-    record_architecture(cfg)
+    record_architecture(cfg, given_keys=given_keys)
     preflight_data(cfg.data, cfg.model.path, cfg.eval.path)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)

@@ -9,18 +9,18 @@ Only the forward is here.
 
 Why Gluon: Triton's `tl.dot` waits for each product before the next statement, and Triton 3.6 makes no
 warp groups of different roles on Hopper, so a tile's softmax and its products run one after the other
-(the Triton forward ran at 451-514 TFLOP/s and cuDNN's at 529-621 across the runs of c729dfe:docs/BENCHMARKS.md).
+(the Triton forward's and cuDNN's figures: docs/PERFORMANCE.md, "Attention").
 Here a work item is 128 query rows of one head; a persistent CTA per SM takes items in turn, with three
 partitions (`gl.warp_specialize`):
 - a load warp (24 registers) moves an item's Q and then each key tile's K and V by TMA into a two-stage
   ring, refilling a stage when both row groups have signalled (mbarriers) that they are done with it, and
   runs into the next item while the row groups end the last (a CTA per item, the next one waiting for the
-  last to end, was 13% slower on 16 x 4k packed documents, 4% at 8k, the same from 32k);
+  last to end, was slower on packed documents and short rows: docs/PERFORMANCE.md, "Design choices measured");
 - two row groups of one warp group each (64 rows, 240 registers) issue S(t) = Q·K(t)ᵀ and then
   O += P(t-1)·V(t-1) asynchronously, wait for S(t) only, and compute P(t) while P·V runs. The two groups
   take turns to issue their products (FlashAttention-3's ping-pong, on an mbarrier each), so one group's
-  softmax runs while the tensor cores do the other's products (without turns, 1.6% slower at 131k; at 8k,
-  32k and 16 x 4k within the spreads: c729dfe:docs/BENCHMARKS.md).
+  softmax runs while the tensor cores do the other's products (without turns slower at 131k, the same
+  elsewhere: docs/PERFORMANCE.md, "Design choices measured").
 
 Key tiles are visited as in the Triton kernel: those a block of queries sees in part (document starts,
 the causal diagonal, document ends) apply a mask, the ones it sees whole do not.
@@ -169,8 +169,8 @@ def _round_item(index):
     round, the c-th from the end. A CTA given a heavier item than another in one round gets the lighter in
     the next, so the CTAs end each pair of rounds together instead of drifting apart round after round; in
     step, the CTAs of one KV head read each key tile at about the same time, once from HBM and then from L2
-    (with work items KV head by KV head, the 131k forward ran 4% faster than with CTA c taking items c,
-    c + num_programs, ...; c729dfe:docs/BENCHMARKS.md)."""
+    (with work items KV head by KV head, the long forward ran faster than with CTA c taking items c,
+    c + num_programs, ...: docs/PERFORMANCE.md, "Design choices measured")."""
     ctas = gl.num_programs(0)
     return index * ctas + gl.program_id(0) + index % 2 * (ctas - 1 - 2 * gl.program_id(0))
 

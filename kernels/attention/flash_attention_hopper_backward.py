@@ -15,7 +15,7 @@ Partitions (`gl.warp_specialize`, FlashAttention-3's layout for D = 128):
   dQ is added to an fp32 accumulator by a TMA reduction (cp.reduce.async.bulk) while dK is computed: other
   key blocks add to the same rows, so its sums are not bit-identical run to run. dK (times the softmax
   scale) and dV sum the group's query heads in registers and leave through the K/V buffers by TMA.
-Measured on the H100 (c729dfe:docs/BENCHMARKS.md): dQ added with per-thread atomics instead ran at half the speed.
+dQ added with per-thread atomics instead ran at half the speed (docs/PERFORMANCE.md, "Design choices measured").
 
 The fp32 accumulator is [B, heads, S, D]; past attention_workspace.ONE_PASS_MAX_BYTES the kernel runs
 over groups of KV heads, each with its query heads (their dQ is final after their group).
@@ -66,7 +66,7 @@ def _load_partition(smem, bars, k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     """One warp: K and V once, then per query head of the group and query tile its Q and dO tiles (one
     descriptor each over all heads of the batch row: [seqlen, heads * D], a head's tile at column h * D), each
     with its rows' log-sum-exp or delta: loaded by the compute warps from global memory, these made the
-    backward 4-9% slower (c729dfe:docs/BENCHMARKS.md)."""
+    backward slower (docs/PERFORMANCE.md, "Design choices measured")."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     kv_bar, q_ready, do_ready, stage_free = bars
     NUM_STAGES: gl.constexpr = q_smem.shape[0]
@@ -154,7 +154,7 @@ def _compute_partition(smem, bars, dk_desc, dv_desc, dq_desc, DOC_START, DOC_END
             scores = warpgroup_mma_wait(1, deps=(scores, ))
             if (tile < head_tiles) | (tile >= mid_end):
                 # Read here (L1 hits), not held through every step: in registers, the keys' document bounds
-                # made packed rows' backward 7% slower (c729dfe:docs/BENCHMARKS.md).
+                # made packed rows' backward slower (docs/PERFORMANCE.md, "Design choices measured").
                 key_doc_lo, key_doc_hi = _token_documents(DOC_START, DOC_END, keys, keys < seqlen, HAS_DOCS)
                 visible = _visible_pairs(queries[:, None], keys[None, :], key_doc_lo[None, :],
                                          key_doc_hi[None, :], queries[:, None], seqlen, CAUSAL, HAS_DOCS)
@@ -244,8 +244,7 @@ def _attn_bwd_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOC_START, DOC_END
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stats_layout)
     # K and V once, Q's and dO's rings (arrivals by TMA), and one barrier per stage that frees it for both after
     # the step's last product: a barrier each cost the compute partition one more barrier of its 8 warps per
-    # step, before the arrive of one thread (0.8-0.9% slower at 8k and 32k, inside the runs' spreads:
-    # c729dfe:docs/BENCHMARKS.md).
+    # step, before the arrive of one thread (no faster: docs/PERFORMANCE.md, "Design choices measured").
     bars = (barrier_ring(1, 1).index(0), barrier_ring(NUM_STAGES, 1), barrier_ring(NUM_STAGES, 1),
             barrier_ring(NUM_STAGES, 1))
 

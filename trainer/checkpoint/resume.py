@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from conf.errors import ConfigError
 from model.hf_checkpoint import HFCheckpointError
-from trainer.build import BASE_MODEL_DIR, record_architecture
+from trainer.build import BASE_MODEL_DIR, saved_config
 from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs, step_of
 from trainer.checkpoint.manager import CheckpointManager, shape_differences
 from trainer.distributed import World
@@ -37,12 +37,10 @@ def as_built(saved_yaml: str):
     """The checkpoint's config with the architecture its run built (trainer.build.record_architecture): runs
     before it was recorded saved their model group's values beside model.path. As saved when it cannot be
     resolved (model.path gone: a changed model.path is a difference anyway)."""
-    saved = OmegaConf.create(saved_yaml)
     try:
-        record_architecture(saved)
+        return saved_config(saved_yaml)
     except (ConfigError, HFCheckpointError, KeyError):
-        pass
-    return saved
+        return OmegaConf.create(saved_yaml)
 
 
 def config_differences(saved_yaml: str, cfg) -> list[str]:
