@@ -3,6 +3,7 @@ holding its overrides; a failed job is one line and the others still run; the ex
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.jobs_support import FAST, REPO, records
@@ -30,20 +31,18 @@ def test_each_job_of_a_sweep_runs_in_its_own_directory_and_a_failed_one_hides_no
 
 
 def test_a_sweep_job_writes_its_overrides_only_once_it_holds_its_run_directory(tmp_path):
-    import train as entry
+    from conf.validate import ConfigError
     from storage.lock import DirectoryLock
     from tests.jobs_support import job_config
-    job_dir = tmp_path / "0"
-    job_dir.mkdir()
-    (job_dir / "overrides.yaml").write_text("- the running job's\n")
-    holder = DirectoryLock(job_dir / "run.lock")
+    from trainer.loop import train
+    (tmp_path / "overrides.yaml").write_text("- the running job's\n")
+    holder = DirectoryLock(tmp_path / "run.lock")
     holder.acquire()        # a job still running there (another sweep process)
     try:
-        entry.run_sweep_job(job_config(tmp_path), 0, ["max_steps=2"])
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            train(job_config(tmp_path, "max_steps=2"), overrides=["max_steps=2"])
     finally:
         holder.release()
-    assert entry.FAILED_JOBS == ["#0 (max_steps=2)"]
-    assert (job_dir / "overrides.yaml").read_text() == "- the running job's\n"
-    entry.FAILED_JOBS.clear()
-    entry.run_sweep_job(job_config(tmp_path), 0, ["max_steps=2"])
-    assert yaml.safe_load((job_dir / "overrides.yaml").read_text()) == ["max_steps=2"]
+    assert (tmp_path / "overrides.yaml").read_text() == "- the running job's\n"
+    train(job_config(tmp_path, "max_steps=2"), overrides=["max_steps=2"])
+    assert yaml.safe_load((tmp_path / "overrides.yaml").read_text()) == ["max_steps=2"]
