@@ -317,6 +317,15 @@ def install_attention_route(model: torch.nn.Module, route: AttentionRoute) -> No
             module.route = route
 
 
+def release_sequence_group(model: torch.nn.Module) -> None:
+    """Take the sequence-parallel group out of the attention routes of `model`, at the end of its job: the
+    model can outlive the job in reference cycles, and a process group still held after close_world destroys
+    it is freed at interpreter exit, where its destructor can abort the process (SIGABRT after a finished run)."""
+    for module in model.modules():
+        if isinstance(module, Attention) and module.route.sequence_group is not None:
+            module.route = dataclasses.replace(module.route, sequence_group=None)
+
+
 def extends_checkpoint(cfg) -> bool:
     """Whether the model built changes model.path's rope (a context extension)."""
     return bool(cfg.model.path) and bool(rope_changes(model_architecture(cfg), checkpoint_architecture(cfg)))

@@ -185,7 +185,9 @@ def init_world(sequence: int, device: torch.device) -> World:
 
 
 def close_world(world: World) -> None:
-    """Release the process groups of a distributed world at the end of the job."""
+    """Release the process groups of a distributed world at the end of the job; `world` lets go of its
+    sequence group first, as nothing may hold a group past its destruction (trainer.build.release_sequence_group)."""
+    world.sequence_group = None
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

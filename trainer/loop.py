@@ -33,7 +33,7 @@ from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
 from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters,
-                           keep_extended_base, record_architecture, trained_context)
+                           keep_extended_base, record_architecture, release_sequence_group, trained_context)
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
@@ -333,7 +333,9 @@ def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bo
 
 def finish_job(job: Job, completed: bool) -> None:
     """Close the bar and the W&B run (exit code 0 when the steps `completed`, 1 after an error), then, when
-    completed, rank 0 shows the end summary."""
+    completed, rank 0 shows the end summary. The model lets go of the sequence-parallel group first, before
+    train() closes the world (trainer.build.release_sequence_group says why)."""
+    release_sequence_group(job.model)
     job.bar.close()
     if job.wandb_run:
         job.wandb_run.finish(0 if completed else 1)
