@@ -1,7 +1,9 @@
 """Several processes on the CPU (gloo, 2 ranks): a sequence-parallel or data-parallel step equals one
 process's step on the same tokens, loss and every gradient within fp32 rounding, for LoRA and full
 fine-tuning, with packed documents that cross the ranks' slices and fewer KV heads than ranks."""
+import gc
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,9 +19,11 @@ from data import Batch  # noqa: E402
 from kernels.attention import choose_route  # noqa: E402
 from kernels.attention.sequence_parallel import check_heads  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from model.llama import Attention  # noqa: E402
 from tests.gloo_support import run_two_ranks  # noqa: E402
 from trainer.build import apply_lora, install_attention_route  # noqa: E402
-from trainer.distributed import World, world_of  # noqa: E402
+from trainer.distributed import World, close_world, world_of  # noqa: E402
+from trainer.loop import finish_job  # noqa: E402
 from trainer.step import train_step  # noqa: E402
 
 # One KV head for two ranks: the sequence-parallel attention repeats it.
@@ -92,6 +96,32 @@ def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
 @pytest.mark.parametrize("sequence", [2, 1], ids=["sequence-parallel", "data-parallel"])
 def test_two_processes_take_the_single_process_step(train, sequence):
     run_two_ranks(_worker, train, sequence)
+
+
+class _Group:
+    """Stands for a ProcessGroup: what matters is who still holds it."""
+
+
+def test_the_end_of_a_job_lets_go_of_the_sequence_group_before_the_world_closes():
+    """A process group held past destroy_process_group is freed at interpreter exit, where gloo's destructor
+    can abort a rank after a finished run: the job's model (kept alive by its reference cycles) and its World
+    let go of it."""
+    group = _Group()
+    held = weakref.ref(group)
+    model = _model("full")
+    install_attention_route(model, choose_route(torch.device("cpu"), 16, "reference", sequence_group=group))
+    world = World(rank=0, size=1, sequence=1, sequence_group=group)
+    job = SimpleNamespace(model=model, world=world, bar=SimpleNamespace(close=lambda: None), wandb_run=None)
+    del group
+    gc.disable()        # nothing freed by the collector: only what no longer refers to the group
+    try:
+        finish_job(job, completed=False)
+        close_world(world)
+        assert held() is None
+    finally:
+        gc.enable()
+    routes = [module.route for module in model.modules() if isinstance(module, Attention)]
+    assert routes and all(route.forward == route.backward == "reference" for route in routes)     # the rest kept
 
 
 def test_heads_must_split_over_the_sequence_group():
