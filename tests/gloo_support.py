@@ -1,10 +1,26 @@
 """Two CPU processes over gloo, for tests of what several ranks do together."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, init_file: str, failures):
+    """Inside a worker of run_two_ranks: this process as rank `rank` of the gloo group while open; an error
+    is put in `failures` for the parent, which fails the test with it, and raised; the group is left after."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        yield
+    except BaseException as error:
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def run_two_ranks(worker, *args) -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conf.validate import ConfigError
-from tests.gloo_support import run_two_ranks
+from tests.gloo_support import gloo_rank, run_two_ranks
 from trainer.distributed import MainRankFailed, World, rank_device, world_of
 
 
@@ -16,8 +15,7 @@ def _disk_full():
 
 
 def _worker(rank: int, init_file: str, failures):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file, failures):
         world = world_of(rank, 2, 1)
         written = []
         world.on_main(lambda: written.append(rank))
@@ -34,11 +32,6 @@ def _worker(rank: int, init_file: str, failures):
         assert world.min({"gpu": 80.0 - rank, "host": 100.0 + rank}) == {"gpu": 79.0, "host": 100.0}
         assert world.max({"gpu": 80.0 - rank}) == {"gpu": 80.0}
         assert world.gather(f"state of {rank}") == ["state of 0", "state of 1"]
-    except BaseException as error:      # reported to the parent, which fails the test with it
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_rank_zeros_failure_reaches_every_rank_and_reductions_agree():

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -30,7 +29,7 @@ from data.held_out import held_out_data, split_documents  # noqa: E402
 from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid  # noqa: E402
 from kernels.attention import choose_route  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
-from tests.gloo_support import run_two_ranks  # noqa: E402
+from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: E402, F401
 from trainer.build import install_attention_route  # noqa: E402
 from trainer.distributed import World, world_of  # noqa: E402
@@ -272,8 +271,7 @@ def test_an_evaluation_fits_below_the_training_steps_plan():
 
 
 def _sequence_parallel_worker(rank: int, init_file: str, failures, directory: str):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file, failures):
         kernels.set_backend("reference")
         torch.set_num_threads(1)
         tokenizer = passkey_tokenizer(Path(directory) / f"tokenizer-{rank}")
@@ -292,11 +290,6 @@ def _sequence_parallel_worker(rank: int, init_file: str, failures, directory: st
             if name != "eval/time_s":
                 assert together[name] == pytest.approx(value, rel=1e-5), name
         assert together.keys() == expected.keys()
-    except BaseException as error:      # reported to the parent, which fails the test with it
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sequence_parallel_ranks_combine_their_figures(tmp_path):

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import trainer.checkpoint.format
 import trainer.loop
 from data import DataError
 from tests.data_support import checkpoint, text_file  # noqa: F401
-from tests.gloo_support import run_two_ranks
+from tests.gloo_support import gloo_rank, run_two_ranks
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
 from trainer.build import record_architecture
 from trainer.checkpoint.format import CheckpointError
@@ -223,8 +222,7 @@ def test_an_auto_warmup_stays_the_one_the_run_started_with(tmp_path, monkeypatch
 
 
 def _resuming_rank(rank: int, init_file: str, failures, run_dir: str):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file, failures):
         checksummed = []
         real_checksum = trainer.checkpoint.format.file_checksum
         trainer.checkpoint.format.file_checksum = lambda path: checksummed.append(path) or real_checksum(path)
@@ -233,11 +231,6 @@ def _resuming_rank(rank: int, init_file: str, failures, run_dir: str):
         loaded = agreed_checkpoint(cfg, CheckpointManager.for_run(Path(run_dir), cfg.checkpoint), world_of(rank, 2, 1))
         assert loaded.path.name == "step-4" and loaded.progress.step == 4
         assert bool(checksummed) == (rank == 0), f"rank {rank} checksummed {len(checksummed)} files"
-    except BaseException as error:      # reported to the parent, which fails the test with it
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_on_resume_rank_0_alone_reads_every_byte_and_the_others_its_choice(tmp_path):

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -20,7 +19,7 @@ from kernels.attention import choose_route  # noqa: E402
 from kernels.attention.sequence_parallel import check_heads  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from model.llama import Attention  # noqa: E402
-from tests.gloo_support import run_two_ranks  # noqa: E402
+from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
 from trainer.build import apply_lora, install_attention_route  # noqa: E402
 from trainer.distributed import World, close_world, world_of  # noqa: E402
 from trainer.loop import finish_job  # noqa: E402
@@ -67,8 +66,7 @@ def _step(model, batches, world):
 
 
 def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file, failures):
         kernels.set_backend("reference")
         world = world_of(rank, 2, sequence)
         model = _model(train)
@@ -85,11 +83,6 @@ def _worker(rank: int, init_file: str, failures, train: str, sequence: int):
         assert grads.keys() == expected_grads.keys() and grads
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
-    except BaseException as error:      # reported to the parent, which fails the test with it
-        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("train", ["lora", "full"])
