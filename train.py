@@ -14,7 +14,7 @@ from conf.schema import register_configs  # noqa: E402
 from conf.validate import ConfigError  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
-from trainer.build import given_model_keys  # noqa: E402
+from trainer.architecture import given_model_keys  # noqa: E402
 from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402

@@ -54,7 +54,7 @@ def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
 
     from conf.schema import register_configs
 
-    from trainer.build import given_model_keys, record_architecture
+    from trainer.architecture import given_model_keys, record_architecture
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):

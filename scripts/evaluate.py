@@ -49,8 +49,8 @@ from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
 from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
 from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.build import (given_model_keys, model_architecture, record_architecture, rope_overrides,  # noqa: E402
-                           saved_config)
+from trainer.architecture import (given_model_keys, model_architecture, record_architecture,  # noqa: E402
+                                  rope_overrides, saved_config)
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
 from trainer.evaluate import build_evaluator  # noqa: E402
 
@@ -110,7 +110,7 @@ def load_weights(model: Llama, weights: dict[str, torch.Tensor], checkpoint: Pat
 
 def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
     """The model on `device` (bf16 on a GPU, fp32 on the CPU) with the architecture training builds
-    (trainer.build.model_architecture: model.path's or the model group's, the rope settings applied), its RoPE
+    (trainer.architecture.model_architecture: model.path's or the model group's, the rope settings applied), its RoPE
     computed for seq_len and its MLP tiled as training tiles it."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     arch = model_architecture(cfg)

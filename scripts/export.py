@@ -28,7 +28,8 @@ from model import Llama  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
-from trainer.build import BASE_MODEL_DIR, model_architecture, rope_overrides, saved_config  # noqa: E402
+from trainer.architecture import model_architecture, rope_overrides, saved_config  # noqa: E402
+from trainer.build import BASE_MODEL_DIR  # noqa: E402
 from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
 from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
                                        load_adapter)

@@ -57,7 +57,7 @@ from scripts.recall.job import (  # noqa: E402
     cuda_visible, fast_settings, run_overrides, train_command, warm_start_steps)
 from scripts.recall.results import report  # noqa: E402
 from scripts.recall.runs import finished_runs, run_jobs, warm_start  # noqa: E402
-from trainer.build import architecture  # noqa: E402
+from trainer.architecture import architecture  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

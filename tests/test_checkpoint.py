@@ -18,7 +18,7 @@ from tests.jobs_support import (REPO, checkpoint_weights, job_config, records, s
                                 train_process)
 from model import Llama
 from storage.atomic import atomic_directory
-from trainer.build import architecture
+from trainer.architecture import architecture
 from trainer.checkpoint.format import CheckpointError, load_adapter, marker_problem
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train

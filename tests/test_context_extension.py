@@ -20,7 +20,7 @@ from scripts.export import export
 from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
 from tests.jobs_support import FAST, REPO, job_config, single_torch_thread, train_process  # noqa: F401
 from model.hf_checkpoint import read_config
-from trainer.build import context_summary, record_architecture
+from trainer.architecture import context_summary, record_architecture
 from trainer.checkpoint.format import ADAPTER_DIR, CheckpointError, load_adapter
 from trainer.checkpoint.resume import config_differences
 import trainer.loop
@@ -296,9 +296,9 @@ def test_without_the_command_line_the_group_values_dropped_are_named(short_base,
 
 
 def test_a_start_reads_model_paths_config_once(tmp_path, short_base, monkeypatch):
-    import trainer.build
+    import trainer.architecture
     reads = []
-    monkeypatch.setattr(trainer.build, "read_config", lambda path: reads.append(path) or read_config(path))
-    trainer.build.read_checkpoint_config.cache_clear()
+    monkeypatch.setattr(trainer.architecture, "read_config", lambda path: reads.append(path) or read_config(path))
+    trainer.architecture.read_checkpoint_config.cache_clear()
     train(job_config(tmp_path / "run", "max_steps=2", f"model.path={short_base}", "model.rope_theta=40000"))
     assert len(reads) == 1

@@ -16,7 +16,7 @@ from data import DataError
 from tests.data_support import checkpoint, text_file  # noqa: F401
 from tests.gloo_support import gloo_rank, run_two_ranks
 from tests.jobs_support import checkpoint_weights, job_config, losses, records, single_torch_thread  # noqa: F401
-from trainer.build import record_architecture
+from trainer.architecture import record_architecture
 from trainer.checkpoint.format import CheckpointError
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint

@@ -32,8 +32,9 @@ from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.build import (Built, build_model, checked_plan, context_summary, count_parameters,
-                           keep_extended_base, record_architecture, release_sequence_group, trained_context)
+from trainer.architecture import context_summary, record_architecture, trained_context
+from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
+                           release_sequence_group)
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
@@ -80,7 +81,7 @@ def gpu_name(device: torch.device) -> str:
 def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None = None) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
     step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed).
-    `given_keys`: the model settings the command line gave (trainer.build.given_model_keys); `overrides`: a
+    `given_keys`: the model settings the command line gave (trainer.architecture.given_model_keys); `overrides`: a
     sweep job's, kept in its run directory."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from conf.errors import ConfigError
 from model.hf_checkpoint import HFCheckpointError
-from trainer.build import BASE_MODEL_DIR, saved_config
+from trainer.architecture import saved_config
+from trainer.build import BASE_MODEL_DIR
 from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs, step_of
 from trainer.checkpoint.manager import CheckpointManager, shape_differences
 from trainer.distributed import World
@@ -34,7 +35,7 @@ def flatten(values, prefix: str = "") -> dict:
 
 
 def as_built(saved_yaml: str):
-    """The checkpoint's config with the architecture its run built (trainer.build.record_architecture): runs
+    """The checkpoint's config with the architecture its run built (trainer.architecture.record_architecture): runs
     before it was recorded saved their model group's values beside model.path. As saved when it cannot be
     resolved (model.path gone: a changed model.path is a difference anyway)."""
     try:
