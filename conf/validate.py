@@ -18,7 +18,7 @@ from conf.schema.memory import check_memory, resolve_gpu_preset
 from conf.schema.model import check_model
 from conf.schema.optim import check_optim, resolve_optim
 from conf.schema.parallel import check_parallel
-from conf.schema.train import check_train
+from conf.schema.train import check_fp8, check_train
 
 __all__ = ["ConfigError", "check_finite_numbers", "check_known_keys", "validate"]
 
@@ -36,6 +36,7 @@ def validate(cfg) -> str:
     check_optim(cfg.optim, cfg.max_steps)
     check_model(cfg.model)
     check_memory(cfg.memory)
+    check_fp8(cfg)
     resolve_gpu_preset(cfg.memory)
     check_data(cfg.data, cfg.seq_len, cfg.model.vocab_size, cfg.model.path)
     check_eval(cfg)

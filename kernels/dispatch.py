@@ -19,7 +19,7 @@ from conf.schema.job import check_kernels_backend
 import kernels.reference as reference
 
 # The ops with a Triton twin: each lives in `kernels/<op>_triton.py` as a function of the op's name.
-TRITON_OPS = ("rms_norm", "layer_norm", "linear_cross_entropy", "adamw_update", "rope", "swiglu")
+TRITON_OPS = ("rms_norm", "layer_norm", "linear_cross_entropy", "adamw_update", "rope", "swiglu", "quantize_rows")
 
 _backend = "auto"
 
@@ -72,3 +72,18 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="
 def adamw_update(param, grad, exp_avg, exp_avg_sq, **hyperparameters):
     """In-place fused AdamW step with stochastic rounding of bf16 state (reference.adamw_update)."""
     _pick("adamw_update", param)(param, grad, exp_avg, exp_avg_sq, **hyperparameters)
+
+
+def quantize_rows(x, column_scale=None):
+    """x [M, K] (times column_scale [K]) as e4m3 with one fp32 scale per row (reference.quantize_rows)."""
+    return _pick("quantize_rows", x)(x, column_scale)
+
+
+def scaled_matmul(a, a_scale, b, b_scale, out_dtype):
+    """The product of two row-quantized e4m3 operands over their last dimension (reference.scaled_matmul):
+    cuBLAS's FP8 product on CUDA (`torch._scaled_mm`, row-wise scales, fp32 accumulation), the reference
+    elsewhere or with the reference backend."""
+    if _backend == "reference" or not a.is_cuda:
+        return reference.scaled_matmul(a, a_scale, b, b_scale, out_dtype)
+    # cuBLAS takes b column-major: b [N, K] row-major, transposed, is that without a copy.
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale.view(-1, 1), scale_b=b_scale.view(1, -1), out_dtype=out_dtype)

@@ -142,3 +142,32 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     p = param.float().mul_(1 - lr * weight_decay).addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
     for index, (stored, value) in enumerate(((param, p), (exp_avg, m), (exp_avg_sq, v))):
         stored.copy_(round_stochastically(value, stored.dtype, seed * 3 + index))
+
+
+# FP8 (model/fp8.py): e4m3 with one fp32 scale per row. Values are divided by their row's scale so that the
+# row's largest magnitude lands on e4m3's largest finite value; the scale is what dequantizes them again.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# A row of zeros gets this scale (any positive value dequantizes zeros to zeros) rather than a division by 0.
+FP8_MIN_AMAX = 1e-12
+
+
+def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (times `column_scale` [K] per column, fp32, when given) as e4m3 [M, K] and its fp32 row
+    scales [M]: dequantized = q.float() * scale[:, None]. Rounding to nearest. A non-finite value becomes NaN
+    (e4m3 has no infinity, and a cast would saturate it to 448), and its row's scale is non-finite too, so a
+    bad value is never hidden."""
+    x32 = x.float() if column_scale is None else x.float() * column_scale.float()
+    amax = x32.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
+    scale = amax / FP8_MAX
+    q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = torch.where(torch.isfinite(x32), q, torch.nan)
+    return q.to(FP8_DTYPE), scale
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The product of two row-quantized e4m3 operands over their last dimension: a [M, K] with row scales
+    [M], b [N, K] with row scales [N]; out[m, n] = a_scale[m] * b_scale[n] * sum_k a[m, k] * b[n, k], in fp32,
+    then `out_dtype`."""
+    return ((a.float() @ b.float().t()) * a_scale.float()[:, None] * b_scale.float()[None, :]).to(out_dtype)

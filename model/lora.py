@@ -42,8 +42,9 @@ class FusedAdapterForward:
         """addmm takes one dtype: autocast gives it; otherwise base, adapters and input must already agree
         (a bf16 base with fp32 adapters outside autocast is left to peft, which promotes)."""
         layer = self.layer
-        dtypes = {x.dtype, layer.base_layer.weight.dtype, layer.lora_A[name].weight.dtype,
-                  layer.lora_B[name].weight.dtype}
+        dtypes = {x.dtype, layer.lora_A[name].weight.dtype, layer.lora_B[name].weight.dtype}
+        if isinstance(layer.base_layer, nn.Linear):     # an FP8 base (model.fp8) gives x's or autocast's dtype
+            dtypes.add(layer.base_layer.weight.dtype)
         return torch.is_autocast_enabled(x.device.type) or len(dtypes) == 1
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

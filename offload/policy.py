@@ -27,6 +27,7 @@ from torch import nn
 
 from kernels.attention.attention_tape import AttentionTape
 from model import unwrap_llama
+from model.fp8 import Fp8Linear
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
 from offload.store import (AttentionPlacement, EmbeddingLookup, LayerInputStore, Placement, ReplayState,
@@ -129,14 +130,17 @@ class UnreadLinear(torch.autograd.Function):
 
 
 class LinearUnlessUnread:
-    """Replacement `forward` of an MLP's down projection (its nn.Linear, under a LoRA wrapper if any):
-    UnreadLinear while a tile is recomputed for its backward, the Linear's own forward otherwise."""
+    """Replacement `forward` of an MLP's down projection (its nn.Linear or model.fp8.Fp8Linear, under a LoRA
+    wrapper if any): UnreadLinear (or the FP8 product's unread forward) while a tile is recomputed for its
+    backward, the projection's own forward otherwise."""
 
     def __init__(self, linear: nn.Linear, unread: UnreadOutputs):
         self.linear, self.forward, self.unread = linear, linear.forward, unread
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.unread.tile:
+            if isinstance(self.linear, Fp8Linear):
+                return self.linear.forward_unread(x)
             return UnreadLinear.apply(x, self.linear.weight, self.linear.bias)
         return self.forward(x)
 
@@ -281,8 +285,8 @@ class MemoryPolicy:
         return self.engine.take_stats()
 
 
-def _down_projection(mlp: nn.Module) -> nn.Linear:
-    """The nn.Linear of an MLP's down projection: peft's LoRA layer wraps it as base_layer."""
+def _down_projection(mlp: nn.Module) -> nn.Module:
+    """The nn.Linear (or Fp8Linear) of an MLP's down projection: peft's LoRA layer wraps it as base_layer."""
     return getattr(mlp.down_proj, "base_layer", mlp.down_proj)
 
 

@@ -17,6 +17,7 @@ from kernels.attention import AttentionRoute
 from model import Llama, LlamaConfig
 from model.hf_checkpoint import (is_lora, save_linked_model, unwrap_llama)
 from model.llama import Attention
+from model.fp8 import check_fp8_widths, fp8_weight_count, quantize_frozen_base
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan, Ranks, plan_memory
@@ -89,6 +90,28 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
             f"(or {' | '.join(p for p in GPU_PRESETS if p != PLANNING_GPU)})")
 
 
+def check_fp8_job(cfg, device: torch.device) -> None:
+    """train.fp8=true needs FP8 tensor cores (compute capability 8.9: Ada, Hopper and later) and projection widths
+    cuBLAS's FP8 products take: ConfigError on the CPU, on older GPUs (the A100) and for odd widths."""
+    if not cfg.train.fp8:
+        return
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability "
+                          f"8.9+), and this job runs on {'the CPU' if device.type != 'cuda' else 'no visible GPU'}: "
+                          f"set train.fp8=false")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ConfigError(f"train.fp8=true needs FP8 tensor cores (compute capability 8.9+: H100/H200), and "
+                          f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: set "
+                          f"train.fp8=false")
+    arch = model_architecture(cfg)
+    why = check_fp8_widths(arch.hidden_size, arch.num_attention_heads * arch.head_dim,
+                           arch.num_key_value_heads * arch.head_dim, arch.intermediate_size)
+    if why:
+        raise ConfigError(f"train.fp8=true: model {cfg.model.name} has {why}, which the FP8 products cannot take: "
+                          f"set train.fp8=false")
+
+
 @dataclass
 class Built:
     """What `build_model` makes: the model, the memory plan it was built for (with the optimizer-state
@@ -102,6 +125,7 @@ class Built:
 def checked_plan(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None) -> MemoryPlan:
     """The memory plan of a validated `cfg` (plan_for); ConfigError with the numbers and what helps when it
     does not fit (unless memory.check=false). Asked before anything is built or written."""
+    check_fp8_job(cfg, device)
     plan = plan_for(cfg, device, per_host, capacity)
     if cfg.memory.check and not plan.fits:
         raise ConfigError(plan_failure(cfg, plan))
@@ -130,6 +154,8 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     model.train_rope_at(cfg.seq_len)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
+    if cfg.train.fp8:
+        log.info("FP8 base: %d projections held in e4m3 with row scales", quantize_frozen_base(model))
     install_attention_route(model, dataclasses.replace(plan.attention_route, sequence_group=sequence_group))
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)
     return Built(model, plan, policy)
@@ -213,6 +239,7 @@ def keep_adapter_inputs_in_bf16(model: torch.nn.Module) -> None:
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, counting tied tensors once."""
+    """(trainable, total) parameter counts, counting tied tensors once and FP8 weights (buffers) too."""
     unique = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in unique if p.requires_grad), sum(p.numel() for p in unique)
+    return (sum(p.numel() for p in unique if p.requires_grad),
+            sum(p.numel() for p in unique) + fp8_weight_count(model))

@@ -21,6 +21,9 @@ class TrainConfig:
     # stochastic rounding, gradients on the GPU; 8), bf16_host_grads (gradients streamed to pinned host
     # memory in the backward; 6 on the GPU + 2 on the host). auto: the first that fits this machine.
     full_state: str = "auto"
+    # LoRA on GPUs with FP8 (H100/H200): the frozen base's projections held in float8 e4m3 and their products
+    # run in FP8 (model/fp8.py); adapters, norms, attention, loss and optimizer as in bf16.
+    fp8: bool = False
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -36,3 +39,18 @@ def check_train(train_cfg) -> None:
         raise ConfigError(f"train.full_state={train_cfg.full_state!r} is not one of {FULL_STATES}")
     if train_cfg.mode == "lora" and train_cfg.lora_r < 1:
         raise ConfigError(f"train.lora_r={train_cfg.lora_r} must be at least 1")
+    if train_cfg.fp8 and train_cfg.mode != "lora":
+        raise ConfigError("train.fp8=true runs the frozen base of a LoRA run in FP8; train=full trains every "
+                          "weight: set train.fp8=false (or train=lora)")
+
+
+def check_fp8(cfg) -> None:
+    """train.fp8 against the GPU planned for (the GPU present, and the architecture's widths: trainer.build)."""
+    if not cfg.train.fp8:
+        return
+    if cfg.parallel.shard:
+        raise ConfigError("train.fp8=true holds the base's weights as buffers, which parallel.shard=true (FSDP2) "
+                          "would not shard: set parallel.shard=false or train.fp8=false")
+    if cfg.memory.gpu == "a100_80gb":
+        raise ConfigError("train.fp8=true needs FP8 tensor cores, which memory.gpu=a100_80gb lacks: set "
+                          "train.fp8=false (or plan for memory.gpu=h100_80gb or h200)")

@@ -1,0 +1,73 @@
+"""Row-wise quantization to float8 e4m3 in Triton (`reference.quantize_rows`): the activations and gradients
+that FP8 products read (model/fp8.py).
+
+One program quantizes BLOCK_M rows in two sweeps over their columns: the first finds each row's largest
+magnitude, the second divides by the row's scale and stores e4m3 (the rows are re-read from L2). So x is read
+from memory once and written once at one byte an element, where PyTorch's eager ops (abs, amax, division,
+clamp, cast) make five passes. An optional per-column fp32 scale multiplies x first: the backward folds the
+weight's per-row scales into the gradient that way (model/fp8.py says why). A row holding inf or NaN gets a
+NaN scale, so its products are NaN and nothing downstream mistakes it for a number.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK_M = 4
+BLOCK_K = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_ptr, n_rows, n_cols,
+                          FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_COLUMN_SCALE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)     # int64 offsets: rows * columns passes 2^31 at 524k x 4096
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_M], dtype=tl.float32)      # NaN where a row holds inf or NaN (x * 0)
+    for start in range(0, n_cols, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_COLUMN_SCALE:
+            x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        poison += tl.sum(x * 0.0, axis=1)
+    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX + poison
+    for start in range(0, n_cols, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_COLUMN_SCALE:
+            x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None,
+                  block_m: int = BLOCK_M, block_k: int = BLOCK_K,
+                  num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows may be strided, columns contiguous) as e4m3 [M, K] and fp32 row scales [M]; see
+    `reference.quantize_rows`."""
+    if x.dtype not in SUPPORTED_DTYPES or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows: x must be a 2-D float32/float16/bfloat16 tensor with contiguous rows, "
+                         f"got {x.dtype} of shape {tuple(x.shape)} and strides {x.stride()}")
+    rows, cols = x.shape
+    if column_scale is not None and (column_scale.shape != (cols,) or column_scale.dtype != torch.float32):
+        raise ValueError(f"quantize_rows: column_scale must be fp32 of shape ({cols},), got "
+                         f"{column_scale.dtype} of shape {tuple(column_scale.shape)}")
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(triton.cdiv(rows, block_m),)](
+            x, x.stride(0), x if column_scale is None else column_scale, q, scale, rows, cols,
+            FP8_MAX=FP8_MAX, MIN_AMAX=FP8_MIN_AMAX, HAS_COLUMN_SCALE=column_scale is not None,
+            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+    return q, scale
