@@ -154,14 +154,13 @@ FP8_MIN_AMAX = 1e-12
 
 def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (times `column_scale` [K] per column, fp32, when given) as e4m3 [M, K] and its fp32 row
-    scales [M]: dequantized = q.float() * scale[:, None]. Rounding to nearest. A non-finite value becomes NaN
-    (e4m3 has no infinity, and a cast would saturate it to 448), and its row's scale is non-finite too, so a
-    bad value is never hidden."""
+    scales [M]: dequantized = q.float() * scale[:, None]. Rounding to nearest. A row holding a non-finite value
+    gets a NaN scale and NaN values, as in the Triton kernel (e4m3 has no infinity, and a cast would saturate
+    it to 448), so a bad value is never hidden."""
     x32 = x.float() if column_scale is None else x.float() * column_scale.float()
     amax = x32.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
-    scale = amax / FP8_MAX
+    scale = torch.where(torch.isfinite(x32).all(dim=-1), amax / FP8_MAX, torch.nan)
     q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
-    q = torch.where(torch.isfinite(x32), q, torch.nan)
     return q.to(FP8_DTYPE), scale
 
 
@@ -169,5 +168,6 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
                   out_dtype: torch.dtype) -> torch.Tensor:
     """The product of two row-quantized e4m3 operands over their last dimension: a [M, K] with row scales
     [M], b [N, K] with row scales [N]; out[m, n] = a_scale[m] * b_scale[n] * sum_k a[m, k] * b[n, k], in fp32,
-    then `out_dtype`."""
-    return ((a.float() @ b.float().t()) * a_scale.float()[:, None] * b_scale.float()[None, :]).to(out_dtype)
+    then `out_dtype` (autocast off: under it the product would run in its lower dtype)."""
+    with torch.autocast(a.device.type, enabled=False):
+        return ((a.float() @ b.float().t()) * a_scale.float()[:, None] * b_scale.float()[None, :]).to(out_dtype)
