@@ -2,7 +2,7 @@
 contract and its Triton kernel under the interpreter, the FP8 product's forward and input gradient against the
 reference formulas, the shared quantized input, the quantized LoRA model with and without the memory policy,
 the refusals (in validation, in the job check, and train.py as a process), the planner's byte count and the
-random base kept for export. (FP8 on the GPU, cuBLAS's product included: tests/test_kernels_gpu.py.)"""
+random base kept for export. (Not here: cuBLAS's FP8 product and the compiled kernel, which need an H100.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
@@ -25,16 +25,14 @@ from conf.schema import register_configs
 from conf.validate import validate
 from kernels import reference
 from kernels.reference import FP8_DTYPE, FP8_MAX
-from model import Llama
+from conf.schema.memory import MemoryConfig
+from model import Llama, LlamaConfig
 from model.fp8 import Fp8Linear, SharedQuantizedInput, check_fp8_widths, quantize_frozen_base
 from model.hf_checkpoint import full_weights
-from model.config import LlamaConfig
-from offload.byte_model import parameter_counts
+from offload.byte_model import Capacity, parameter_counts
 from offload.plan import plan_memory
 from offload.policy import apply_memory_policy
 from offload.units import GIB
-from conf.schema.memory import MemoryConfig
-from offload.byte_model import Capacity
 from trainer.build import check_fp8_job, count_parameters, lora_model
 from trainer.run_dir import BASE_MODEL_DIR, keep_random_base
 
@@ -47,9 +45,9 @@ HALF_ULP = 2.0 ** -4
 MIN_NORMAL, SUBNORMAL_STEP = 2.0 ** -6, 2.0 ** -9
 # A dequantized weight stored in bf16 (8 bits) is rounded once more: (2^-9 of the value, and some room).
 BF16_HALF_ULP = 2.0 ** -8
-# An FP8 product against the fp32 one (relative error of the whole output): both operands off by up to 2^-4,
-# uniformly, ~4% each in norm, so ~5% together; the bound leaves room, not a decade.
-FP8_PRODUCT_ERROR = 0.08
+# An FP8 product against the fp32 one (relative error of the whole output): both operands off by up to 2^-4
+# each (measured here: 3.6% forward, 3.4% input gradient); the bound leaves room, not a decade.
+FP8_PRODUCT_ERROR = 0.06
 
 
 @pytest.fixture(autouse=True)
@@ -189,6 +187,7 @@ def test_triton_quantizer_strided_rows_column_scale_and_bf16(poisoned_empty):  #
 
 
 @conftest_kernels.needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")     # inf * 0, on purpose
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_triton_quantizer_non_finite_row(poisoned_empty, bad):  # noqa: F811
     """The row's scale is NaN, as the reference's, so its dequantized values are NaN (the e4m3 values of that
@@ -234,7 +233,7 @@ def test_fp8_linear_forward_is_the_reference_product_of_the_quantized_operands()
 def test_fp8_linear_input_gradient_is_the_documented_formula():
     """dx = sg q(g sw) qw: the gradient quantized per row with the weight's row scales folded into its columns,
     times the quantized weight (transposed, unit scales)."""
-    layer, _ = fp8_linear()
+    layer, linear = fp8_linear()
     x = torch.randn(2, 5, 48, requires_grad=True)
     grad = torch.randn(2, 5, 32)
     layer(x).backward(grad)
@@ -242,8 +241,7 @@ def test_fp8_linear_input_gradient_is_the_documented_formula():
     expected = reference.scaled_matmul(g_q, g_scale, layer.weight_fp8.t().contiguous(), torch.ones(48),
                                        torch.float32).view(2, 5, 48)
     assert torch.equal(x.grad, expected)
-    exact = grad.view(-1, 32) @ layer.dequantized_weight(torch.float32)
-    assert relative_error(x.grad.view(-1, 48), exact) < FP8_PRODUCT_ERROR
+    assert relative_error(x.grad.view(-1, 48), grad.view(-1, 32) @ linear.weight) < FP8_PRODUCT_ERROR
 
 
 def test_fp8_forward_saves_nothing_for_the_backward():
@@ -417,16 +415,16 @@ def test_every_projection_becomes_fp8_and_no_projection_weight_remains(fp8_and_b
 
 
 def test_fp8_loss_and_adapter_gradients_near_the_unquantized_model(fp8_and_bf16_models):
-    """e4m3 keeps 2^-4 of each weight and activation: the loss moves by well under 1%, the adapter gradients
-    by a few percent (measured: 0.02% and under 4%)."""
+    """e4m3 keeps each weight and activation within 2^-4: the loss moves by 0.011% here (bound 0.1%), the
+    adapter gradients by up to 8.5% in norm (bound 12%: the smallest ones, through random B, move most)."""
     model, unquantized = fp8_and_bf16_models
     loss, grads = loss_and_adapter_grads(model)
     loss_ref, grads_ref = loss_and_adapter_grads(unquantized)
-    assert torch.isfinite(loss) and abs(loss - loss_ref) / loss_ref < 2e-3
+    assert torch.isfinite(loss) and abs(loss - loss_ref) / loss_ref < 1e-3
     assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 2 * len(PROJECTIONS)
     for name, grad in grads.items():
         error = (grad - grads_ref[name]).norm() / grads_ref[name].norm()
-        assert error < 0.1, (name, error)
+        assert error < 0.12, (name, error)
 
 
 def test_the_adapters_of_an_fp8_model_train(fp8_and_bf16_models):
