@@ -2,7 +2,7 @@
 contract and its Triton kernel under the interpreter, the FP8 product's forward and input gradient against the
 reference formulas, the shared quantized input, the quantized LoRA model with and without the memory policy,
 the refusals (in validation, in the job check, and train.py as a process), the planner's byte count and the
-random base kept for export. (Not here: cuBLAS's FP8 product and the compiled kernel, which need an H100.)"""
+random base kept for export. (The compiled kernel and cuBLAS's FP8 product: tests/test_fp8_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
