@@ -92,7 +92,14 @@ def projection_times(tokens: int, in_features: int, out_features: int, use_torch
         kernels.scaled_matmul(qx, sx, qw, sw, torch.bfloat16)
         kernels.scaled_matmul(qg, sg, qw_t, ones, torch.bfloat16)
 
+    def products_fast_accumulation():
+        torch._scaled_mm(qx, qw.t(), scale_a=sx[:, None], scale_b=sw[None], out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+        torch._scaled_mm(qg, qw_t.t(), scale_a=sg[:, None], scale_b=ones[None], out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+
     times = {"bf16": timed(bf16), "fp8": timed(ours), "fp8 eager": timed(eager), "fp8 products": timed(products),
+             "fp8 products fast accumulation": timed(products_fast_accumulation),
              "fp8 quantize x": timed(lambda: kernels.quantize_rows(x)),
              "fp8 quantize g": timed(lambda: kernels.quantize_rows(grad, sw)),
              "fp8 transpose w": timed(lambda: qw.t().contiguous())}
@@ -123,6 +130,22 @@ def torchao_times(linear: torch.nn.Linear, x: torch.Tensor, grad: torch.Tensor) 
     return times
 
 
+def quantizer_sweep(tokens: int) -> dict[str, float]:
+    """Milliseconds of the row quantizer per launch configuration, on a 4096- and a 14336-wide input."""
+    from kernels.quantize_rows_triton import quantize_rows
+    result = {}
+    for width in (4096, 14336):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        column_scale = torch.rand(width, device="cuda") + 0.5
+        for block_m, block_k, warps in ((4, 1024, 4), (1, 1024, 4), (1, 2048, 8), (2, 1024, 4), (8, 512, 4),
+                                        (4, 2048, 8), (8, 1024, 8), (16, 512, 8), (2, 2048, 4)):
+            for scaled in (False, True):
+                name = f"{width} m{block_m} k{block_k} w{warps}{' colscale' if scaled else ''}"
+                result[name] = timed(lambda: quantize_rows(x, column_scale if scaled else None, block_m, block_k,
+                                                           warps))
+    return result
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     if not torch.isfinite(out).all():
@@ -149,7 +172,7 @@ def layer_errors(tokens: int) -> dict[str, float]:
     grad = torch.randn(1, tokens, cfg.hidden_size, device=device)
 
     def run(module, dtype):
-        x = hidden.to(dtype).requires_grad_(True)
+        x = hidden.detach().clone().to(dtype).requires_grad_(True)
         out = module(x, rope_model.rope(positions, dtype), None)
         out.backward(grad.to(dtype))
         return out.detach(), x.grad.detach()
@@ -174,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--error-tokens", type=int, default=8192)
     parser.add_argument("--torchao", action="store_true", help="measure torchao.float8 too")
+    parser.add_argument("--sweep-quantizer", action="store_true", help="time the quantizer's launch settings")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     result = {"gpu": torch.cuda.get_device_name(), "tokens": args.tokens, "projections": {}}
@@ -188,6 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<24}" + "".join(f"{times.get(c, float('nan')):>22.3f}" for c in columns))
     print("speed-up over bf16, layer: " + ", ".join(f"{c} {layer['bf16'] / layer[c]:.2f}x" for c in columns
                                                     if not c.startswith("fp8 quantize") and c != "fp8 transpose w"))
+    if args.sweep_quantizer:
+        result["quantizer"] = quantizer_sweep(args.tokens)
+        for name, value in result["quantizer"].items():
+            print(f"quantizer {name:<36}{value:.3f} ms")
     result["errors"] = layer_errors(args.error_tokens)
     for name, value in result["errors"].items():
         print(f"{name:<28}{value:.5f}")
