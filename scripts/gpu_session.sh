@@ -3,6 +3,7 @@
 # by ../shared/device/wheels.sh [liger-kernel==0.8.5]), then runs the named steps, logs under $OUT:
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
 #   bash scripts/gpu_session.sh recall_curve_bg poll; bash scripts/gpu_session.sh poll   # the recall curve
+#   bash scripts/gpu_session.sh fp8_quality_bg poll; bash scripts/gpu_session.sh poll    # issue 41's FP8 gate
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
 #   bash scripts/gpu_session.sh full_32k train_32k full_64k train_64k train_131k   # issue 14's table, then
 #   bash scripts/gpu_session.sh full_131k peer_32k peer_131k                       # (over 10 minutes in one)
@@ -52,12 +53,19 @@ running_jobs() { for started in /tmp/*.started; do [ -e "$started" ] && [ ! -e "
 # curves in $OUT/recall_curve.png (for docs/), the table and JSON in recall_curve.out, every run's log and
 # metrics in $OUT/recall_runs.tar (one file: a call brings back at most 8). To redraw from them:
 # `tar xf recall_runs.tar` and recall_curve.py --redraw recall_runs with the same options.
-recall_curve() { rm -rf /tmp/recall_curve; python3 scripts/recall_curve.py --steps ${RECALL_STEPS:-1200} \
-  --run-root /tmp/recall_curve --out-png /tmp/recall_curve.png --concurrent ${RECALL_ARGS:-}; }
-collect_recall_curve() { cp /tmp/recall_curve.png /tmp/recall_curve.out $OUT/
-  (cd /tmp && tar cf $OUT/recall_runs.tar --transform 's,^recall_curve,recall_runs,' \
-    $(cd /tmp && ls -d recall_curve/*.log recall_curve/*/metrics.jsonl recall_curve/*/train.log 2>/dev/null)); }
-export -f recall_curve
+# Issue 41: the same LoRA job at 32k with the frozen base in bf16 and in FP8 (recall_curve.py --compare fp8:
+# both from a warm start of 400 steps at 4k), 1000 steps at once; $OUT/fp8_quality.png, fp8_quality.out (its
+# last line the JSON, bounds_hold), fp8_runs.tar.
+# A recall_curve.py job NAME in the background: run root /tmp/NAME, PNG /tmp/NAME.png, then its options.
+recall_job() { local name=$1; shift; rm -rf /tmp/$name
+  python3 scripts/recall_curve.py --run-root /tmp/$name --out-png /tmp/$name.png --concurrent "$@"; }
+recall_curve() { recall_job recall_curve --steps ${RECALL_STEPS:-1200} ${RECALL_ARGS:-}; }
+fp8_quality() { recall_job fp8_quality --compare fp8 --steps ${FP8_STEPS:-1000} ${FP8_ARGS:-}; }
+# NAME's PNG, output and runs' logs and metrics (in one tar named TAR) into $OUT.
+collect_recall_job() { local name=$1 tar=$2; cp /tmp/$name.png /tmp/$name.out $OUT/
+  (cd /tmp && tar cf $OUT/$tar.tar --transform "s,^$name,$tar," \
+    $(ls -d $name/*.log $name/*/metrics.jsonl $name/*/train.log 2>/dev/null)); }
+export -f recall_job recall_curve fp8_quality
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -105,7 +113,10 @@ for step in "$@"; do
         for done in /tmp/*.done; do [ -e "$done" ] && echo "$(basename ${done%.done}) exit $(cat $done)"; done
         if [ -f /tmp/long_steps.done ]; then cp /tmp/long_steps.jsonl /tmp/long_steps.err $OUT/
           tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; fi
-        if [ -f /tmp/recall_curve.done ]; then collect_recall_curve; grep -v '^{' /tmp/recall_curve.out | tail -8; fi ;;
+        if [ -f /tmp/recall_curve.done ]; then collect_recall_job recall_curve recall_runs
+          grep -v '^{' /tmp/recall_curve.out | tail -8; fi
+        if [ -f /tmp/fp8_quality.done ]; then collect_recall_job fp8_quality fp8_runs
+          grep -v '^{' /tmp/fp8_quality.out | tail -8; fi ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
     peer_64k) bench --seq-len 65536 --steps 3 --peer ;;
     peer_131k) bench --seq-len 131072 --steps 2 --peer ;;
@@ -133,6 +144,8 @@ for step in "$@"; do
         cp /tmp/bench_parallel/*.log $OUT/ ;;
     # Issue 14's recall curve (recall_curve above), longer than a call: then `poll`.
     recall_curve_bg) background recall_curve recall_curve ;;
+    # Issue 41's FP8 quality gate (fp8_quality above), longer than a call: then `poll`.
+    fp8_quality_bg) background fp8_quality fp8_quality ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,9 +1,10 @@
 """Proof that the fast path trains: one recall job run twice, on the fast path and on the reference path,
-with both accuracy curves (and losses) in one PNG.
+with both accuracy curves (and losses) in one PNG; with --compare fp8, issue 41's FP8 quality gate instead.
 
-    python scripts/recall_curve.py [--seq-len 32768] [--steps 1200] [--model recall_100m] \
+    python scripts/recall_curve.py [--compare paths] [--seq-len 32768] [--steps 1200] [--model recall_100m] \
         [--warm-start-steps 150 --warm-start-len 4096] [--concurrent] [--redraw RUN_ROOT] \
         [--out-png docs/recall_curve.png] [--run-root DIR] [--device auto] [override ...]
+    python scripts/recall_curve.py --compare fp8 [--steps 1000] [--second-arm train.fp8=true] [--concurrent] ...
 
 The two runs are `train.py` processes with the same model, seed, data and steps, each in its own output_dir
 under --run-root (the job: scripts/recall/job.py; its processes: runs.py; the table, PNG and summary:
@@ -26,7 +27,7 @@ recurring every 64 tokens (512 times at 32k), 8 queries: 4,096 supervised tokens
 limit for logging accuracy, and two sequences per step through gradient accumulation. Shorter sequences keep
 conf/data/recall.yaml's demo settings. Overrides after the options go to every run (`optim.lr=1e-3`, ...).
 
---warm-start-steps N (by default WARM_START_STEPS from WARM_START_FROM tokens): both runs start from one
+--warm-start-steps N (by default WARM_START_STEPS[--compare] from WARM_START_FROM tokens): both runs start from one
 model trained N steps at --warm-start-len tokens on the reference path (saved at step N, exported with
 scripts/export.py, loaded through model.path); its curves are drawn in gray at steps 1-N..0. Why: from
 random init the time to learn the task grows with the context past 4k tokens (docs/PERFORMANCE.md, "The fast
@@ -34,11 +35,20 @@ path trains"), as long-context models are pretrained short and then extended. 15
 recall_100m naming some value of its sequence but not the key's, so the recall itself is learned in the 32k
 runs.
 
+--compare fp8 (default PNG docs/fp8_quality.png, run root outputs/fp8_quality/<time>): from a warm start
+of 400 steps at 4k (by then recall_100m recalls at 4k), two LoRA runs (scripts/recall/job.py FP8_LORA: all
+seven projections, r 32, lr 1e-3) named bf16 and fp8, the same but for --second-arm's overrides in the second
+(`train.fp8=true`: the frozen base's products in FP8, which only a GPU with FP8 tensor cores runs), both with
+the fast kernels (kernels=auto, --fast-kernels) and the planner's memory settings. The summary adds the
+second run's final loss relative to the first's and the difference of their final accuracies (means of the
+last 50 steps) and whether issue 41's bounds (1%, 0.02) hold; `bounds_hold` in the JSON.
+
 --redraw RUN_ROOT runs nothing: the table, PNG and summary again from the runs an earlier call left there.
 
-Prints a table (each run's memory plan, final accuracy, step time), the largest difference between the two
-accuracy curves, and a last line of JSON with the same numbers. Exit status 1 when a run failed or, on a
-GPU, when the fast run did not offload layer inputs or keep attention outputs.
+Prints a table (each run's memory plan, final accuracy and loss, step time), the largest difference between
+the two accuracy curves, the difference of the final losses and accuracies, and a last line of JSON with the
+same numbers. Exit status 1 when a run failed or, on a GPU, when the fast run did not offload layer inputs or
+keep attention outputs.
 """
 from __future__ import annotations
 
@@ -53,8 +63,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.recall.job import (  # noqa: E402
-    REFERENCE, RUNS, WARM_START_FROM, WARM_START_MODEL, WARM_START_STEPS, check_warm_start, composed_config,
-    cuda_visible, fast_settings, run_overrides, train_command, warm_start_steps)
+    COMPARISONS, DEFAULT_STEPS, FP8_ARM, WARM_START_FROM, WARM_START_MODEL, WARM_START_STEPS, arms,
+    check_warm_start, composed_config, cuda_visible, long_overrides, run_overrides, train_command,
+    warm_start_steps)
 from scripts.recall.results import report  # noqa: E402
 from scripts.recall.runs import finished_runs, run_jobs, warm_start  # noqa: E402
 from trainer.architecture import architecture  # noqa: E402
@@ -62,21 +73,28 @@ from trainer.architecture import architecture  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", default="paths", choices=tuple(COMPARISONS),
+                        help="paths: the fast path against the reference; fp8: LoRA with train.fp8=true against bf16")
     parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}, by --compare")
     parser.add_argument("--model", default="recall_100m")
-    parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "recall_curve.png")
+    parser.add_argument("--out-png", type=Path, default=None,
+                        help=f"default docs/<name>.png, the name by --compare: {COMPARISONS}")
     parser.add_argument("--run-root", type=Path, default=None,
-                        help="where the two runs' directories and logs go (default outputs/recall_curve/<time>)")
+                        help="where the two runs' directories and logs go (default outputs/<name>/<time>)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--fast-kernels", default=None, choices=("auto", "triton"),
-                        help="the fast run's kernels (default: triton on a GPU, else auto)")
+                        help="the fast run's kernels (default: triton on a GPU, else auto); both runs' with "
+                             "--compare fp8 (default auto)")
+    parser.add_argument("--second-arm", default=None, metavar="OVERRIDES",
+                        help=f"--compare fp8: the overrides, space-separated, that set the second run apart "
+                             f"(default {FP8_ARM!r})")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--warm-start-steps", type=int, default=None,
                         help="first train this many steps at --warm-start-len on the reference path; both runs "
-                             f"start from that model (model.path). Default: {WARM_START_STEPS} from "
+                             f"start from that model (model.path). Default: {WARM_START_STEPS} by --compare, from "
                              f"{WARM_START_FROM:,} tokens, else none")
     parser.add_argument("--warm-start-len", type=int, default=4096)
     parser.add_argument("--concurrent", action="store_true",
@@ -87,15 +105,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides of the trainer config, for every run (the warm start's too)")
     args = parser.parse_args(argv)
-    args.warm_start_steps = warm_start_steps(args.seq_len, args.warm_start_steps)
+    job_name = COMPARISONS[args.compare]
+    args.steps = DEFAULT_STEPS[args.compare] if args.steps is None else args.steps
+    args.out_png = args.out_png or REPO / "docs" / f"{job_name}.png"
+    args.warm_start_steps = warm_start_steps(args.seq_len, args.warm_start_steps, args.compare)
     check_warm_start(args)
 
-    shared = run_overrides(args, args.seq_len, args.steps)
+    shared = run_overrides(args, args.seq_len, args.steps, job=long_overrides(args.compare))
     cfg = composed_config(args.model, shared)       # a bad override fails here, before any run
+    arch = architecture(cfg["model"])
+    settings = arms(args, arch.num_hidden_layers, cuda_visible(args.device), arch.head_dim)
     if args.redraw:
-        return report(args, cfg, args.redraw, *finished_runs(args.redraw, args))
-    root = args.run_root or REPO / "outputs" / "recall_curve" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    for name in (*RUNS, "warm_start", WARM_START_MODEL):
+        return report(args, cfg, args.redraw, *finished_runs(args.redraw, args, settings))
+    root = args.run_root or REPO / "outputs" / job_name / time.strftime("%Y-%m-%d_%H-%M-%S")
+    for name in (*settings, "warm_start", WARM_START_MODEL):
         if (root / name).exists() and any((root / name).iterdir()):
             raise SystemExit(f"{root / name} is not empty: give a new --run-root (each run starts from scratch)")
     root.mkdir(parents=True, exist_ok=True)
@@ -104,13 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warm_start_steps:
         model_dir, warm = warm_start(args, root, env)
         shared.append(f"model.path={model_dir}")
-    arch = architecture(cfg["model"])
-    on_cuda = cuda_visible(args.device)
-    fast_kernels, fast_memory = fast_settings(arch.num_hidden_layers, on_cuda, arch.head_dim, args.fast_kernels)
-    commands = {name: (train_command(args, kernels, memory, root / name, shared), root / name)
-                for name, (kernels, memory) in (("fast", (fast_kernels, fast_memory)), ("reference", REFERENCE))}
-    runs = run_jobs(commands, env, args.concurrent)
-    return report(args, cfg, root, runs, warm)
+    commands = {name: (train_command(args, kernels, own, root / name, shared), root / name)
+                for name, (kernels, own) in settings.items()}
+    return report(args, cfg, root, run_jobs(commands, env, args.concurrent), warm)
 
 
 if __name__ == "__main__":

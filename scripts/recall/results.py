@@ -1,5 +1,6 @@
-"""What scripts/recall_curve.py reports of its finished runs: each run's plan and training from its log and
-metrics, how far apart the two accuracy curves are, the PNG of both, the table and the JSON summary."""
+"""What scripts/recall_curve.py reports of its two finished runs: each run's plan and training from its log and
+metrics, how far apart the two accuracy curves and final losses are, the PNG of both, the table and the JSON
+summary."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,13 @@ import re
 import statistics
 from pathlib import Path
 
-from scripts.recall.job import RUNS
 from trainer.console import RUN_LOG
 
 SMOOTHING = 21      # steps in the centered moving average drawn over each curve and compared
+FINAL_STEPS = 50    # the last steps whose mean loss and accuracy are a run's final ones
+# Issue 41's quality gate of FP8 against bf16: final losses within 1% of the first run's, accuracies within 0.02.
+LOSS_BOUND = 0.01
+ACCURACY_BOUND = 0.02
 
 
 def run_facts(run: dict) -> dict:
@@ -39,13 +43,16 @@ def run_facts(run: dict) -> dict:
     accuracy = [r["accuracy"] for r in records if r.get("accuracy") is not None]
     if records:
         timed = records[1:] or records      # the first step compiles and tunes the kernels
-        facts |= {"final_loss": records[-1]["loss"], "first_step_s": records[0]["step_time_s"],
+        facts |= {"final_loss": records[-1]["loss"],
+                  "final_loss_mean": statistics.mean(r["loss"] for r in records[-FINAL_STEPS:]),
+                  "first_step_s": records[0]["step_time_s"],
                   "step_s": statistics.median(r["step_time_s"] for r in timed),
                   "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
                   "offload_d2h_gib_per_step": max(r.get("offload/d2h_gib") or 0 for r in records),
                   "gpu_peak_gib": max((r.get("gpu_peak_gib") or 0 for r in records), default=0) or None}
     if accuracy:
         facts |= {"final_accuracy": accuracy[-1], "last10_accuracy": statistics.mean(accuracy[-10:]),
+                  "final_accuracy_mean": statistics.mean(accuracy[-FINAL_STEPS:]),
                   "first10_accuracy": statistics.mean(accuracy[:10])}
     return facts
 
@@ -64,16 +71,34 @@ def curve(records: list[dict], name: str) -> dict[int, float]:
 
 
 def accuracy_difference(runs: dict[str, dict], window: int) -> dict:
-    """Largest |fast - reference| over the steps both logged, per step and on the moving averages."""
-    fast, reference = (curve(runs[name]["records"], "accuracy") for name in RUNS)
-    steps = sorted(set(fast) & set(reference))
+    """Largest |first - second| over the steps both logged, per step and on the moving averages."""
+    first, second = (curve(run["records"], "accuracy") for run in runs.values())
+    steps = sorted(set(first) & set(second))
     if not steps:
         return {}
-    a, b = [fast[s] for s in steps], [reference[s] for s in steps]
+    a, b = [first[s] for s in steps], [second[s] for s in steps]
     smooth_a, smooth_b = moving_average(a, window), moving_average(b, window)
     return {"steps_compared": len(steps), "max_abs_accuracy_diff": max(abs(x - y) for x, y in zip(a, b)),
             "max_abs_accuracy_diff_smoothed": max(abs(x - y) for x, y in zip(smooth_a, smooth_b)),
             "mean_abs_accuracy_diff": statistics.mean(abs(x - y) for x, y in zip(a, b))}
+
+
+def final_differences(facts: dict[str, dict]) -> dict:
+    """The second run's final loss relative to the first's and |difference| of their final accuracies (means of
+    the last FINAL_STEPS steps, and the last step's), and whether issue 41's bounds hold on the means (None
+    when a run has no final loss or accuracy)."""
+    first, second = facts.values()
+    keys = ("final_loss_mean", "final_loss", "final_accuracy_mean", "final_accuracy")
+    if any(run.get(key) is None for run in (first, second) for key in keys):
+        return {"bounds_hold": None}
+    loss = abs(second["final_loss_mean"] - first["final_loss_mean"]) / first["final_loss_mean"]
+    accuracy = abs(second["final_accuracy_mean"] - first["final_accuracy_mean"])
+    return {"final_loss_rel_diff": loss,
+            "last_loss_rel_diff": abs(second["final_loss"] - first["final_loss"]) / first["final_loss"],
+            "final_accuracy_abs_diff": accuracy,
+            "last_accuracy_abs_diff": abs(second["final_accuracy"] - first["final_accuracy"]),
+            "loss_within_bound": loss <= LOSS_BOUND, "accuracy_within_bound": accuracy <= ACCURACY_BOUND,
+            "bounds_hold": loss <= LOSS_BOUND and accuracy <= ACCURACY_BOUND}
 
 
 def plan_text(facts: dict) -> str:
@@ -109,17 +134,17 @@ def draw(runs: dict[str, dict], facts: dict[str, dict], title: str, chance: floa
     import matplotlib.pyplot as plt
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
-    colors = {"fast": "tab:blue", "reference": "tab:orange"}
-    styles = {"fast": "-", "reference": "--"}      # the reference dashed: equal curves stay visible
+    # the second run dashed: equal curves stay visible
+    looks = dict(zip(runs, (("tab:blue", "-"), ("tab:orange", "--"))))
     for axes, metric in ((top, "accuracy"), (bottom, "loss")):
-        for name in RUNS:
+        for name, (color, style) in looks.items():
             points = curve(runs[name]["records"], metric)
             if not points:
                 continue
             steps, values = list(points), list(points.values())
-            axes.plot(steps, values, color=colors[name], alpha=0.3, linewidth=0.8)
-            axes.plot(steps, moving_average(values, window), color=colors[name], linewidth=1.8,
-                      linestyle=styles[name], label=f"{label(name, facts[name])}, {window}-step mean")
+            axes.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+            axes.plot(steps, moving_average(values, window), color=color, linewidth=1.8,
+                      linestyle=style, label=f"{label(name, facts[name])}, {window}-step mean")
         points = curve(warm["records"], metric) if warm else {}
         if points:      # the warm start's last step at 0, so its step N + 1 would be the long runs' step 1
             last = max(r["step"] for r in warm["records"])
@@ -155,28 +180,37 @@ def device_name(facts: dict[str, dict]) -> str:
     return "CPU"
 
 
-def table(facts: dict[str, dict], difference: dict) -> str:
+def table(facts: dict[str, dict], difference: dict, final: dict) -> str:
     def number(value, spec):
         return "-" if value is None else format(value, spec)
-    lines = ["| run | kernels | memory plan | final acc | last-10 acc | final loss | step s (median) | first step s "
-             "| tok/s | offloaded GiB/step |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in RUNS:
-        f = facts[name]
+    lines = [f"| run | kernels | memory plan | final acc | last-10 acc | last-{FINAL_STEPS} acc | final loss | "
+             f"last-{FINAL_STEPS} loss | step s (median) | first step s | tok/s | offloaded GiB/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, f in facts.items():
         if f["exit"] != 0 and not f["steps"]:
-            lines.append(f"| {name} | failed (exit {f['exit']}) | | | | | | | | |")
+            lines.append(f"| {name} | failed (exit {f['exit']}) | | | | | | | | | | |")
             continue
         lines.append(f"| {name}{'' if f['exit'] == 0 else ' (exit ' + str(f['exit']) + ')'} | "
                      f"{f.get('kernels', '?')} | {plan_text(f)} | {number(f.get('final_accuracy'), '.3f')} | "
-                     f"{number(f.get('last10_accuracy'), '.3f')} | {number(f.get('final_loss'), '.4f')} | "
+                     f"{number(f.get('last10_accuracy'), '.3f')} | {number(f.get('final_accuracy_mean'), '.3f')} | "
+                     f"{number(f.get('final_loss'), '.4f')} | {number(f.get('final_loss_mean'), '.4f')} | "
                      f"{number(f.get('step_s'), '.3f')} | {number(f.get('first_step_s'), '.1f')} | "
                      f"{number(f.get('tokens_per_s'), ',.0f')} | {number(f.get('offload_d2h_gib_per_step'), '.2f')} |")
+    first, second = facts
     if difference:
-        lines.append(f"accuracy curves over {difference['steps_compared']} steps: max |fast - reference| "
+        lines.append(f"accuracy curves over {difference['steps_compared']} steps: max |{first} - {second}| "
                      f"{difference['max_abs_accuracy_diff']:.3f} per step, "
                      f"{difference['max_abs_accuracy_diff_smoothed']:.3f} on the {SMOOTHING}-step means, "
                      f"mean {difference['mean_abs_accuracy_diff']:.3f}")
     else:
         lines.append("accuracy curves: no step logged accuracy in both runs")
+    if final["bounds_hold"] is not None:
+        def verdict(holds: bool) -> str:
+            return "holds" if holds else "FAILS"
+        lines.append(f"final ({FINAL_STEPS}-step means): {second}'s loss {final['final_loss_rel_diff']:.2%} from "
+                     f"{first}'s (bound {LOSS_BOUND:.0%}: {verdict(final['loss_within_bound'])}), accuracy "
+                     f"{final['final_accuracy_abs_diff']:.3f} apart (bound {ACCURACY_BOUND}: "
+                     f"{verdict(final['accuracy_within_bound'])})")
     return "\n".join(lines)
 
 
@@ -198,8 +232,8 @@ def fast_path_problems(facts: dict) -> list[str]:
 
 def report(args, cfg: dict, root: Path, runs: dict[str, dict], warm: dict | None) -> dict:
     """The finished runs' table, PNG and JSON summary (printed; the summary is returned)."""
-    facts = {name: run_facts(runs[name]) for name in RUNS}
-    difference = accuracy_difference(runs, SMOOTHING)
+    facts = {name: run_facts(run) for name, run in runs.items()}
+    difference, final = accuracy_difference(runs, SMOOTHING), final_differences(facts)
     params = next((f["params_m"] for f in facts.values() if "params_m" in f), None)
     device = device_name(facts)
     steps = max(f["steps"] for f in facts.values())
@@ -213,26 +247,28 @@ def report(args, cfg: dict, root: Path, runs: dict[str, dict], warm: dict | None
         start_text = (f"from a warm start of {warm_facts['steps']} steps at {args.warm_start_len:,} tokens on the "
                       f"reference path (accuracy {warm_facts.get('last10_accuracy', float('nan')):.3f} over its "
                       "last 10)")
+    lora = (f", LoRA r={cfg['train']['lora_r']} on {len(cfg['train']['lora_target_modules'])} projections"
+            if cfg["train"]["mode"] == "lora" else "")
     title = "\n".join([
-        f"Recall at {cfg['seq_len']:,} tokens: {args.model} ({params if params is not None else '?'}M parameters), "
-        f"{steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}", start_text,
-        f"fast: {path_text(facts['fast'])}",
-        f"reference: {path_text(facts['reference'])}",
+        f"Recall at {cfg['seq_len']:,} tokens: {args.model} ({params if params is not None else '?'}M parameters)"
+        f"{lora}, {steps} steps of {sequences} sequence{'s' * (sequences > 1)}, {device}", start_text,
+        *(f"{name}: {path_text(f)}" for name, f in facts.items()),
         f"{supervised:,} supervised tokens per sequence" + (f", chance accuracy 1/{cfg['data']['num_values']}"
                                                             if chance else "")])
     # A model that names some value of this sequence without binding it to its key scores 1/num_pairs.
     unbound = 1 / cfg["data"]["num_pairs"] if chance and cfg["data"]["num_pairs"] < cfg["data"]["num_values"] else None
     draw(runs, facts, title, chance, args.out_png, SMOOTHING, unbound, warm, args.warm_start_len)
 
-    problems = fast_path_problems(facts["fast"])
-    summary = {"model": args.model, "params_m": params, "seq_len": cfg["seq_len"], "steps": cfg["max_steps"],
+    problems = fast_path_problems(facts["fast"]) if "fast" in facts else []     # the paths comparison's run
+    summary = {"compare": args.compare, "model": args.model, "params_m": params, "seq_len": cfg["seq_len"],
+               "steps": cfg["max_steps"], "train": cfg["train"]["mode"],
                "batch_size": cfg["batch_size"], "sequences_per_step": sequences, "device": device,
                "png": str(args.out_png), "run_root": str(root),
                "supervised_per_sequence": supervised, "concurrent": args.concurrent, "warm_start": warm_facts,
-               "runs": facts, **difference,
+               "runs": facts, **difference, **final,
                "fast_path_problems": problems}
     print(f"{args.model} ({params}M parameters), seq_len {cfg['seq_len']}, {steps} steps, {device}")
-    print(table(facts, difference))
+    print(table(facts, difference, final))
     if args.concurrent:
         print("the two runs ran at once, sharing the device: their step times are not each one's alone")
     for problem in problems:

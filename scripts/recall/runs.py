@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.recall.job import REFERENCE, REPO, RUNS, WARM_START_MODEL, run_overrides, train_command
+from scripts.recall.job import REFERENCE, REPO, WARM_START_MODEL, run_overrides, train_command
 from trainer.metrics import METRICS_FILE, read_records
 
 
@@ -79,11 +79,11 @@ def warm_start(args, root: Path, env: dict) -> tuple[Path, dict]:
     return model_dir, job
 
 
-def finished_runs(root: Path, args) -> tuple[dict[str, dict], dict | None]:
-    """The runs (and warm start) under an earlier run root, as run_jobs returns them; a run counts as
+def finished_runs(root: Path, args, names) -> tuple[dict[str, dict], dict | None]:
+    """The runs `names` (and warm start) under an earlier run root, as run_jobs returns them; a run counts as
     finished (exit 0) when its metrics have every step (--steps, --warm-start-steps)."""
     def finished(name: str, steps: int) -> dict:
         run = run_result(name, 0, float("nan"), root / f"{name}.log", root / name)
         return run | {"exit": 0 if len(run["records"]) == steps else 1}
     warm = finished("warm_start", args.warm_start_steps) if (root / "warm_start").is_dir() else None
-    return {name: finished(name, args.steps) for name in RUNS}, warm
+    return {name: finished(name, args.steps) for name in names}, warm
