@@ -19,7 +19,8 @@ from conf.schema.job import check_kernels_backend
 import kernels.reference as reference
 
 # The ops with a Triton twin: each lives in `kernels/<op>_triton.py` as a function of the op's name.
-TRITON_OPS = ("rms_norm", "layer_norm", "linear_cross_entropy", "adamw_update", "rope", "swiglu", "quantize_rows")
+TRITON_OPS = ("rms_norm", "layer_norm", "linear_cross_entropy", "adamw_update", "rope", "swiglu", "quantize_rows",
+              "transpose")
 
 _backend = "auto"
 
@@ -77,6 +78,11 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, **hyperparameters):
 def quantize_rows(x, column_scale=None):
     """x [M, K] (times column_scale [K]) as e4m3 with one fp32 scale per row (reference.quantize_rows)."""
     return _pick("quantize_rows", x)(x, column_scale)
+
+
+def transpose(x):
+    """x [R, C] as a new contiguous [C, R] tensor (reference.transpose)."""
+    return _pick("transpose", x)(x)
 
 
 def scaled_matmul(a, a_scale, b, b_scale, out_dtype):

@@ -164,6 +164,11 @@ def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> 
     return q.to(FP8_DTYPE), scale
 
 
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """x [R, C] as a new contiguous [C, R] tensor."""
+    return x.t().contiguous()
+
+
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """The product of two row-quantized e4m3 operands over their last dimension: a [M, K] with row scales

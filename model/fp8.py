@@ -95,7 +95,7 @@ class Fp8Product(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         linear = ctx.linear
         values, scale = kernels.quantize_rows(_as_rows(grad, "gradient"), linear.weight_scale)
-        weight_t = linear.weight_fp8.t().contiguous()
+        weight_t = kernels.transpose(linear.weight_fp8)
         ones = torch.ones(linear.in_features, dtype=torch.float32, device=grad.device)
         grad_x = kernels.scaled_matmul(values, scale, weight_t, ones, ctx.input_dtype)
         return grad_x.view(*grad.shape[:-1], linear.in_features), None, None

@@ -12,8 +12,8 @@ projection costs in a LoRA step, its forward plus its input gradient:
   fp8 products  cuBLAS's row-scaled FP8 products alone (the ceiling of the two above);
   torchao ...   torchao.float8's Float8Linear (tensorwise and rowwise recipes, eager and under torch.compile)
                 on the frozen bf16 weight, forward and backward with the input's gradient.
-Then one decoder layer of the 8B shape (random weights, std 0.02, attention sharpened by scaling q and k so
-that it is not uniform) in fp32, bf16 and FP8: the relative error ||out - ref|| / ||ref|| of the output and of
+Then one decoder layer of the 8B shape (random weights, std 0.02; then with q and k scaled by 4, a sharper
+attention) in fp32, bf16 and FP8: the relative error ||out - ref|| / ||ref|| of the output and of
 the input's gradient, against fp32 and FP8 against bf16. Prints a table and a last line of JSON.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def projection_times(tokens: int, in_features: int, out_features: int, use_torch
         a, s = eager_quantize(x)
         kernels.scaled_matmul(a, s, qw, sw, torch.bfloat16)
         b, t = eager_quantize(grad, sw)
-        kernels.scaled_matmul(b, t, qw.t().contiguous(), ones, torch.bfloat16)
+        kernels.scaled_matmul(b, t, kernels.transpose(qw), ones, torch.bfloat16)
 
     def products():
         kernels.scaled_matmul(qx, sx, qw, sw, torch.bfloat16)
@@ -102,7 +102,8 @@ def projection_times(tokens: int, in_features: int, out_features: int, use_torch
              "fp8 products fast accumulation": timed(products_fast_accumulation),
              "fp8 quantize x": timed(lambda: kernels.quantize_rows(x)),
              "fp8 quantize g": timed(lambda: kernels.quantize_rows(grad, sw)),
-             "fp8 transpose w": timed(lambda: qw.t().contiguous())}
+             "fp8 transpose w": timed(lambda: kernels.transpose(qw)),
+             "torch transpose w": timed(lambda: qw.t().contiguous())}
     if use_torchao:
         times.update(torchao_times(linear, x, grad))
     return times
@@ -153,8 +154,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def layer_errors(tokens: int) -> dict[str, float]:
-    """One decoder layer of the 8B shape in fp32, bf16 and FP8 (same weights): output and input-gradient errors."""
+def layer_errors(tokens: int, sharpen: float) -> dict[str, float]:
+    """One decoder layer of the 8B shape in fp32, bf16 and FP8 (same weights, q and k scaled by `sharpen`):
+    output and input-gradient errors."""
     torch.manual_seed(0)
     device = torch.device("cuda")
     cfg = LlamaConfig.from_dict(LLAMA3_8B)
@@ -163,9 +165,9 @@ def layer_errors(tokens: int) -> dict[str, float]:
         if parameter.dim() == 2:
             torch.nn.init.normal_(parameter, std=0.02)
         parameter.requires_grad_(False)
-    with torch.no_grad():       # sharper attention than random weights give: logits of a few units
-        layer.self_attn.q_proj.weight.mul_(4.0)
-        layer.self_attn.k_proj.weight.mul_(4.0)
+    with torch.no_grad():       # sharper attention than random weights give
+        layer.self_attn.q_proj.weight.mul_(sharpen)
+        layer.self_attn.k_proj.weight.mul_(sharpen)
     rope_model = Llama.from_config(dict(LLAMA3_8B, vocab_size=16), device=device).model
     positions = torch.arange(tokens, device=device)[None]
     hidden = torch.randn(1, tokens, cfg.hidden_size, device=device)
@@ -211,14 +213,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name, times in [*result["projections"].items(), ("layer (7 products)", layer)]:
         print(f"{name:<24}" + "".join(f"{times.get(c, float('nan')):>22.3f}" for c in columns))
     print("speed-up over bf16, layer: " + ", ".join(f"{c} {layer['bf16'] / layer[c]:.2f}x" for c in columns
-                                                    if not c.startswith("fp8 quantize") and c != "fp8 transpose w"))
+                                                    if not c.startswith("fp8 quantize") and "transpose" not in c))
     if args.sweep_quantizer:
         result["quantizer"] = quantizer_sweep(args.tokens)
         for name, value in result["quantizer"].items():
             print(f"quantizer {name:<36}{value:.3f} ms")
-    result["errors"] = layer_errors(args.error_tokens)
-    for name, value in result["errors"].items():
-        print(f"{name:<28}{value:.5f}")
+    for sharpen in (1.0, 4.0):
+        errors = result[f"errors, q and k x{sharpen:g}"] = layer_errors(args.error_tokens, sharpen)
+        for name, value in errors.items():
+            print(f"q, k x{sharpen:g}: {name:<28}{value:.5f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

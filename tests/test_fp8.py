@@ -210,6 +210,16 @@ def test_dispatch_runs_the_triton_quantizer_on_cpu_tensors_under_the_interpreter
     assert_matches_interpreted(*kernels.quantize_rows(x), x)
 
 
+@conftest_kernels.needs_interpreter
+@pytest.mark.parametrize("rows,cols", [(70, 130), (64, 64), (1, 5)])
+def test_triton_transpose_moves_fp8_bytes_exactly(poisoned_empty, rows, cols):  # noqa: F811
+    from kernels.transpose_triton import transpose
+    x = torch.randn(rows, cols).to(reference.FP8_DTYPE)
+    assert torch.equal(transpose(x).view(torch.uint8), reference.transpose(x).view(torch.uint8))
+    y = torch.randn(cols, rows)
+    assert torch.equal(transpose(y), y.t().contiguous())
+
+
 # --- 3. Fp8Linear and its product ---
 
 def fp8_linear(in_features=48, out_features=32, seed=7) -> tuple[Fp8Linear, torch.nn.Linear]:

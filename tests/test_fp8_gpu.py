@@ -55,6 +55,12 @@ def test_quantizer_poisons_rows_with_inf_or_nan():
     assert torch.isnan(out[1:3]).all() and torch.isfinite(out[0, [0, *range(3, 16)]]).all()
 
 
+@pytest.mark.parametrize("rows,cols", [(14336, 4096), (4096, 14336), (1000, 4112), (1, 16)])
+def test_transpose_matches_reference(rows, cols, poisoned_empty):
+    x = torch.randn(rows, cols, device="cuda").to(torch.float8_e4m3fn)
+    assert torch.equal(kernels.transpose(x).view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("tokens,in_features,out_features", [(32768, 4096, 1024), (4096, 14336, 4096)])
 def test_cublas_product_matches_reference(tokens, in_features, out_features):
     """cuBLAS accumulates the exact e4m3 products in fp32 in another order than the reference: the two differ by
