@@ -40,14 +40,15 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_pt
             x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         poison += tl.sum(x * 0.0, axis=1)
-    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX + poison
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX) + poison
     for start in range(0, n_cols, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_COLUMN_SCALE:
             x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        # IEEE division (a plain / compiles to an approximate one): the same quotients as the reference
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 

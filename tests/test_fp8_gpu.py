@@ -98,8 +98,9 @@ def test_fp8_projection_matches_reference_backend():
 def test_lora_step_against_bf16():
     """One LoRA forward and backward of a 2-layer model of Llama-3-8B's widths, from the same weights: the fp32
     model (no autocast) is the reference; bf16 (autocast, bf16 base) and FP8 (the same with an FP8 base) are
-    measured against it. FP8's loss error stays under 1% and each adapter gradient's error within a bound
-    stated against bf16's own (e4m3 keeps 3 mantissa bits to bf16's 8)."""
+    measured against it. FP8's loss stays within 0.1% of fp32's, and each adapter gradient's error within 12
+    times bf16's own: e4m3 keeps 3 mantissa bits to bf16's 7, 16 times the rounding (measured on the H200: 9
+    times, 0.22-0.42 against 0.024-0.047, through two layers' FP8 products)."""
     from model import Llama
     from model.fp8 import quantize_frozen_base
     from trainer.build import lora_model
@@ -129,9 +130,6 @@ def test_lora_step_against_bf16():
         grads[name] = {key: p.grad for key, p in model.named_parameters() if p.requires_grad}
     errors = {name: {key: relative_error(grads[name][key], grads["fp32"][key]) for key in grads["fp32"]}
               for name in ("bf16", "fp8")}
+    assert abs(losses["fp8"] - losses["fp32"]) / losses["fp32"] < 1e-3
     for key in grads["fp32"]:
-        print(f"{key:<80} bf16 {errors['bf16'][key]:.4f} fp8 {errors['fp8'][key]:.4f}")
-    print(losses)
-    assert abs(losses["fp8"] - losses["fp32"]) / losses["fp32"] < 1e-2
-    for key in grads["fp32"]:
-        assert errors["fp8"][key] < 0.3, key
+        assert errors["fp8"][key] < 12 * errors["bf16"][key], (key, errors["fp8"][key], errors["bf16"][key])
