@@ -85,11 +85,13 @@ def transpose(x):
     return _pick("transpose", x)(x)
 
 
-def scaled_matmul(a, a_scale, b, b_scale, out_dtype):
+def scaled_matmul(a, a_scale, b, b_scale, out_dtype, fast_accumulation: bool = False):
     """The product of two row-quantized e4m3 operands over their last dimension (reference.scaled_matmul):
-    cuBLAS's FP8 product on CUDA (`torch._scaled_mm`, row-wise scales, fp32 accumulation), the reference
-    elsewhere or with the reference backend."""
+    cuBLAS's FP8 product on CUDA (`torch._scaled_mm`, row-wise scales), the reference elsewhere or with the
+    reference backend. `fast_accumulation`: Hopper's FP8 accumulator without cuBLAS's periodic promotion to
+    fp32, faster and slightly less exact (model/fp8.py takes it for the forward only, as torchao.float8 does)."""
     if _backend == "reference" or not a.is_cuda:
         return reference.scaled_matmul(a, a_scale, b, b_scale, out_dtype)
     # cuBLAS takes b column-major: b [N, K] row-major, transposed, is that without a copy.
-    return torch._scaled_mm(a, b.t(), scale_a=a_scale.view(-1, 1), scale_b=b_scale.view(1, -1), out_dtype=out_dtype)
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale.view(-1, 1), scale_b=b_scale.view(1, -1), out_dtype=out_dtype,
+                            use_fast_accum=fast_accumulation)

@@ -11,9 +11,11 @@ is built (the bf16 weight is freed), and the projection's forward and input-grad
 
 FP8 tensor cores read both operands along the summed dimension, so the backward's product reads W transposed:
 a one-byte copy made for the product and freed after it, rather than a second copy of every weight kept.
-The forward saves nothing for the backward (the base is frozen: no weight gradient needs the input). An input
-that several projections read (q, k and v read the normed hidden state; gate and up the MLP's input) is
-quantized once (SharedQuantizedInput). Quality and speed against bf16: docs/PERFORMANCE.md, "FP8".
+The forward's product accumulates in Hopper's fast FP8 mode, the backward's with cuBLAS's promotion to fp32
+(torchao.float8's defaults; the difference in docs/PERFORMANCE.md, "FP8"). The forward saves nothing for the
+backward (the base is frozen: no weight gradient needs the input). An input that several projections read
+(q, k and v read the normed hidden state; gate and up the MLP's input) is quantized once
+(SharedQuantizedInput). Quality and speed against bf16: docs/PERFORMANCE.md, "FP8".
 """
 from __future__ import annotations
 
@@ -87,7 +89,8 @@ class Fp8Product(torch.autograd.Function):
         if unread:
             return torch.empty(*x.shape[:-1], linear.out_features, dtype=out_dtype, device=x.device)
         values, scale = linear.shared_input.quantized(x, _as_rows(x, "input"))
-        y = kernels.scaled_matmul(values, scale, linear.weight_fp8, linear.weight_scale, out_dtype)
+        y = kernels.scaled_matmul(values, scale, linear.weight_fp8, linear.weight_scale, out_dtype,
+                                  fast_accumulation=True)
         return y.view(*x.shape[:-1], linear.out_features)
 
     @staticmethod
