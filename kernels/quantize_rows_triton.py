@@ -24,6 +24,19 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _round_to_e4m3(q):
+    """fp32 q rounded to the nearest e4m3 value (ties to even), still in fp32. Triton converts fp32 to e4m3
+    through fp16, rounding twice (37.99999 becomes 38.0, then the tie rounds to 40 where 36 is nearest); rounded
+    here first, the conversion is exact. Normal e4m3 keeps 3 mantissa bits: the low 20 of fp32's are rounded
+    away on the bits. Subnormal e4m3 (below 2^-6) is a multiple of 2^-9: adding and subtracting 1.5 * 2^14,
+    whose fp32 ulp is 2^-9, rounds to one."""
+    bits = q.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (q + 24576.0) - 24576.0
+    return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_ptr, n_rows, n_cols,
                           FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_COLUMN_SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -40,7 +53,7 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_pt
             x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         poison += tl.sum(x * 0.0, axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX) + poison
+    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX + poison
     for start in range(0, n_cols, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
@@ -49,7 +62,8 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_pt
             x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
         # IEEE division (a plain / compiles to an approximate one): the same quotients as the reference
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], _round_to_e4m3(q).to(q_ptr.dtype.element_ty),
+                 mask=mask)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
