@@ -29,10 +29,12 @@ def _round_to_e4m3(q):
     through fp16, rounding twice (37.99999 becomes 38.0, then the tie rounds to 40 where 36 is nearest); rounded
     here first, the conversion is exact. Normal e4m3 keeps 3 mantissa bits: the low 20 of fp32's are rounded
     away on the bits. Subnormal e4m3 (below 2^-6) is a multiple of 2^-9: adding and subtracting 1.5 * 2^14,
-    whose fp32 ulp is 2^-9, rounds to one."""
+    whose fp32 ulp is 2^-9, rounds to one; done on the magnitude, with q's sign bit put back after, so that
+    what rounds to zero keeps its sign as the cast gives it (-0, not +0; Triton's negation is 0 - x, so the bit)."""
     bits = q.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (q + 24576.0) - 24576.0
+    magnitude = ((tl.abs(q) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    subnormal = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
 
 

@@ -135,28 +135,15 @@ def test_reference_scaled_matmul_is_the_fp32_product_of_the_dequantized_operands
 
 # --- 2. the Triton quantizer under the interpreter ---
 
-def assert_matches_interpreted(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, column_scale=None) -> None:
-    """The Triton quantizer's (q, scale) against the reference, under Triton 3.6's interpreter.
-
-    KNOWN TRAP (the interpreter, not the kernel): its fp32 -> float8e4nv conversion (triton/runtime/
-    interpreter.py, _convert_float) rounds the mantissa and ORs the carry into the exponent field instead of
-    adding it, so where rounding carries into the next power of two (-125.87 should be -128) the result is
-    that power only when the exponent field is even, and half of it otherwise (-64). It also truncates below
-    e4m3's smallest normal (2^-6 of the scale: up to one subnormal step, 2^-9, off) and rounds exact ties
-    away from zero, not to even (bf16 inputs hit ties). Compiled on the GPU the conversion is exact. So: scales
-    equal; values equal except where the reference is a power of two that the value below it rounded up to and
-    the interpreter's is exactly half, or in the subnormal range within one step, or at a tie the neighbour of
-    larger magnitude."""
+def assert_matches_reference(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, column_scale=None) -> None:
+    """The Triton quantizer's (q, scale) equal the reference's exactly: the same scales, the same e4m3 bytes.
+    Exact under the interpreter too, though its fp32 -> e4m3 conversion misrounds (carries, subnormals, ties):
+    the kernel rounds each quotient to an e4m3 value in fp32 first (`_round_to_e4m3`), so the conversion only
+    meets values it represents."""
     expected_q, expected_scale = reference.quantize_rows(x, column_scale)
     assert torch.equal(scale, expected_scale)
-    got, want = q.float(), expected_q.float()
-    pre_image = (x.float() if column_scale is None else x.float() * column_scale) / expected_scale[:, None]
-    differ = got != want
-    carried = (torch.frexp(want.abs()).mantissa == 0.5) & (pre_image.abs() < want.abs()) & (got * 2 == want)
-    subnormal = (want.abs() <= MIN_NORMAL) & ((got - want).abs() <= SUBNORMAL_STEP)
-    tie = ((got - pre_image).abs() == (want - pre_image).abs()) & (got.abs() > want.abs())
-    unexplained = differ & ~carried & ~subnormal & ~tie
-    assert not unexplained.any(), (got[unexplained], want[unexplained], pre_image[unexplained])
+    differ = q.view(torch.uint8) != expected_q.view(torch.uint8)
+    assert not differ.any(), (q.float()[differ], expected_q.float()[differ])
 
 
 @conftest_kernels.needs_interpreter
@@ -168,7 +155,7 @@ def test_triton_quantizer_matches_the_reference(poisoned_empty, rows, cols, bloc
     x = torch.randn(rows, cols) * torch.logspace(-2, 2, rows)[:, None]
     q, scale = quantize_rows(x, block_k=block_k)
     assert q.dtype == FP8_DTYPE and q.shape == x.shape and scale.shape == (rows,)
-    assert_matches_interpreted(q, scale, x)
+    assert_matches_reference(q, scale, x)
 
 
 @conftest_kernels.needs_interpreter
@@ -179,11 +166,68 @@ def test_triton_quantizer_strided_rows_column_scale_and_bf16(poisoned_empty):  #
     x = wide[:, 10:80]                                         # rows 100 apart, 70 columns read
     assert x.stride() == (100, 1)
     column_scale = torch.rand(70) * 4
-    assert_matches_interpreted(*quantize_rows(x, column_scale, block_k=32), x, column_scale)
+    assert_matches_reference(*quantize_rows(x, column_scale, block_k=32), x, column_scale)
     x16 = torch.randn(7, 50).bfloat16()
-    assert_matches_interpreted(*quantize_rows(x16, block_k=16), x16)
+    assert_matches_reference(*quantize_rows(x16, block_k=16), x16)
     with pytest.raises(ValueError, match="contiguous rows"):
         quantize_rows(wide.t())
+
+
+# Every finite e4m3 value from 0 to 448, ascending (the 127 non-negative bytes below NaN).
+E4M3_VALUES = torch.arange(127, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def rounding_cases(units: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where quotients `units` (in units of the row scale) and their e4m3 values `q` meet the cases that
+    conversions get wrong: an exact tie between two e4m3 values, a carry (rounded up to a power of two), a
+    subnormal e4m3 value (below 2^-6), and a value that rounds to zero."""
+    magnitude, rounded = units.abs().clamp(max=FP8_MAX), q.float().abs()
+    below = torch.searchsorted(E4M3_VALUES, magnitude, right=True) - 1
+    lower, upper = E4M3_VALUES[below], E4M3_VALUES[(below + 1).clamp(max=126)]
+    return {"tie": (magnitude != lower) & (2 * magnitude == lower + upper),
+            "carry": (rounded > magnitude) & (torch.frexp(rounded).mantissa == 0.5),
+            "subnormal": (rounded > 0) & (rounded < MIN_NORMAL),
+            "zero": (rounded == 0) & (magnitude > 0)}
+
+
+@conftest_kernels.needs_interpreter
+def test_triton_quantizer_is_exact_at_ties_carries_subnormals_and_zeros(poisoned_empty):  # noqa: F811
+    """bf16 rows over five decades whose amax is 448 times a power of two: the scale is that power, so the
+    quotients are the bf16 values scaled exactly, and many fall on ties of e4m3; the small ones are subnormal
+    or round to (signed) zero. Each case is asserted present, then the bytes equal."""
+    from kernels.quantize_rows_triton import quantize_rows
+    torch.manual_seed(11)
+    x = (torch.randn(8, 2000) * torch.logspace(-5, 0, 2000)).bfloat16()
+    x[:, 0] = FP8_MAX * 2.0 ** torch.arange(-4, 4)
+    x[:, 1:] = x[:, 1:].clamp(-FP8_MAX / 2, FP8_MAX / 2) * 2.0 ** torch.arange(-4, 4)[:, None]
+    q, scale = quantize_rows(x, block_k=512)
+    assert torch.equal(scale, 2.0 ** torch.arange(-4, 4).float())
+    cases = rounding_cases(x.float() / scale[:, None], reference.quantize_rows(x)[0])
+    assert all(flags.sum() >= 20 for flags in cases.values()), {name: int(f.sum()) for name, f in cases.items()}
+    assert_matches_reference(q, scale, x)
+
+
+@conftest_kernels.needs_interpreter
+def test_the_kernel_rounds_to_the_nearest_e4m3_value_ties_to_even(poisoned_empty):  # noqa: F811
+    """`_round_to_e4m3` through the kernel, at a scale of 1 (the row's amax is 448): every e4m3 value, every
+    midpoint between two neighbours (a tie: to the even one) and the fp32 values either side of it (to the
+    nearer one, where rounding through fp16 first took the tie: 37.99999 to 40, not 36), both signs, zeros.
+    Expected from the table of e4m3 values, not from a cast; the reference agrees."""
+    from kernels.quantize_rows_triton import quantize_rows
+    midpoints = (E4M3_VALUES[:-1] + E4M3_VALUES[1:]) / 2
+    around = torch.cat([torch.nextafter(midpoints, torch.tensor(0.0)), midpoints,
+                        torch.nextafter(midpoints, torch.tensor(FP8_MAX)), E4M3_VALUES])
+    x = torch.cat([torch.tensor([FP8_MAX, -0.0]), around, -around])[None, :]
+    q, scale = quantize_rows(x, block_k=128)
+    assert scale.item() == 1.0
+    distance = (x.abs()[0, :, None] - E4M3_VALUES).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values
+    even = torch.arange(127) % 2 == 0                  # the byte's lowest bit is the mantissa's
+    index = torch.where(nearest.sum(dim=1) == 2, (nearest & even).int().argmax(dim=1), nearest.int().argmax(dim=1))
+    expected = torch.where(x[0].signbit(), -E4M3_VALUES[index], E4M3_VALUES[index]).to(FP8_DTYPE)
+    assert (nearest.sum(dim=1) == 2).sum() == 2 * len(midpoints)
+    assert torch.equal(q[0].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(reference.quantize_rows(x)[0][0].view(torch.uint8), expected.view(torch.uint8))
 
 
 @conftest_kernels.needs_interpreter
@@ -199,7 +243,7 @@ def test_triton_quantizer_non_finite_row(poisoned_empty, bad):  # noqa: F811
     q, scale = quantize_rows(x, block_k=16)
     assert torch.isnan(scale[4]) and torch.isnan(dequantized(q, scale)[4]).all()
     good = [0, 1, 2, 3, 5]
-    assert_matches_interpreted(q[good], scale[good], x[good])
+    assert_matches_reference(q[good], scale[good], x[good])
 
 
 @conftest_kernels.needs_interpreter
@@ -207,7 +251,7 @@ def test_dispatch_runs_the_triton_quantizer_on_cpu_tensors_under_the_interpreter
     torch.manual_seed(6)
     x = torch.randn(3, 20)
     kernels.set_backend("triton")
-    assert_matches_interpreted(*kernels.quantize_rows(x), x)
+    assert_matches_reference(*kernels.quantize_rows(x), x)
 
 
 @conftest_kernels.needs_interpreter
