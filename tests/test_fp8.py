@@ -1,8 +1,9 @@
 """train.fp8 on the CPU (model/fp8.py, kernels.reference and kernels/quantize_rows_triton.py): the row quantizer's
-contract and its Triton kernel under the interpreter, the FP8 product's forward and input gradient against the
-reference formulas, the shared quantized input, the quantized LoRA model with and without the memory policy,
-the refusals (in validation, in the job check, and train.py as a process), the planner's byte count and the
-random base kept for export. (The compiled kernel and cuBLAS's FP8 product: tests/test_fp8_gpu.py.)"""
+contract and its Triton kernel under the interpreter (byte for byte), the FP8 product's forward and input
+gradient against the reference formulas, the shared quantized input, the quantized LoRA model with and without
+the memory policy, the refusals (in validation, in the job check, and train.py as a process), the planner's
+byte count, the random base kept for export, and a model.path run's saved adapters and merged export (FP8
+leaves both as they were). (The compiled kernel and cuBLAS's FP8 product: tests/test_fp8_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
@@ -628,3 +629,81 @@ def test_full_weights_and_the_kept_random_base_hold_every_projection_dequantized
     keep_random_base(cfg, model, tmp_path)
     saved = load_file(tmp_path / BASE_MODEL_DIR / "model.safetensors")
     assert saved.keys() == weights.keys() and all(torch.equal(saved[k], weights[k]) for k in weights)
+
+
+# --- 9. export and adapters unchanged ---
+
+@pytest.fixture(scope="module")
+def hf_bf16_base(tmp_path_factory) -> Path:
+    """A tiny transformers Llama (widths multiples of 16) saved in bf16 with save_pretrained: model.path."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    torch.manual_seed(12)
+    config = HFLlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           rope_theta=10000.0, tie_word_embeddings=False)
+    directory = tmp_path_factory.mktemp("hf_bf16_base")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path) -> tuple[Path, torch.nn.Module, float]:
+    """A LoRA run on model.path=`hf_dir` with train.fp8=true, built as trainer.build does it but on the CPU
+    (the job check refuses FP8 there), its adapters given random non-zero weights, the run directory's base
+    kept as start_job keeps it, and step 1 saved by the CheckpointManager as the loop saves it. Returns the
+    checkpoint, the model and the adapters' scaling (alpha / r)."""
+    from omegaconf import OmegaConf
+    from trainer.architecture import record_architecture
+    from trainer.build import keep_extended_base, lora_base_path
+    from trainer.checkpoint.format import Progress
+    from trainer.checkpoint.manager import CheckpointManager
+    cfg = job_config(f"model.path={hf_dir}", f"output_dir={run_dir}", "seq_len=128")
+    record_architecture(cfg)
+    model = lora_model(Llama.from_pretrained(str(hf_dir), dtype=torch.bfloat16), cfg.train, lora_base_path(cfg))
+    assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
+    torch.manual_seed(13)
+    adapters = [p for name, p in model.named_parameters() if "lora_" in name]
+    with torch.no_grad():
+        for parameter in adapters:
+            parameter.normal_(0, 0.05)
+    run_dir.mkdir()
+    keep_random_base(cfg, model, run_dir)
+    keep_extended_base(cfg, model, run_dir)
+    state = SimpleNamespace(state_dict=dict)        # the scheduler's and the data pipeline's: empty here
+    checkpoint = CheckpointManager.for_run(run_dir, cfg.checkpoint).save(
+        model, torch.optim.AdamW(adapters), state, state, Progress(step=1), OmegaConf.to_yaml(cfg, resolve=True))
+    return checkpoint, model, cfg.train.lora_alpha / cfg.train.lora_r
+
+
+def test_fp8_run_saves_plain_adapters_and_exports_onto_the_original_bf16_weights(hf_bf16_base, tmp_path):
+    """Issue #41, point 5: the adapters are saved as without FP8 (LoRA tensors only, in their fp32), and the
+    merged export is model.path's bf16 weights + scaling B A: within bf16's rounding of that, and clearly
+    farther (e4m3's rounding, 2^-4 against bf16's 2^-8) from the FP8 run's dequantized weights + scaling B A."""
+    from scripts.export import export
+    from trainer.checkpoint.format import ADAPTER_DIR
+    checkpoint, model, scaling = saved_fp8_lora_checkpoint(hf_bf16_base, tmp_path / "run")
+    assert not (tmp_path / "run" / BASE_MODEL_DIR).exists()     # model.path is the base: nothing else kept
+    adapter = load_file(checkpoint / ADAPTER_DIR / "adapter_model.safetensors")
+    adapter_dtypes = {p.dtype for name, p in model.named_parameters() if "lora_" in name}
+    assert adapter_dtypes == {torch.float32}
+    assert len(adapter) == 2 * 2 * len(PROJECTIONS)
+    assert all(("lora_A" in key or "lora_B" in key) and "weight_fp8" not in key and "weight_scale" not in key
+               for key in adapter), sorted(adapter)
+    assert {tensor.dtype for tensor in adapter.values()} == adapter_dtypes
+
+    merged = load_file(export(checkpoint, tmp_path / "hf") / "model.safetensors")
+    original = load_file(hf_bf16_base / "model.safetensors")
+    assert merged.keys() == original.keys() and {t.dtype for t in merged.values()} == {torch.bfloat16}
+    llama = model.base_model.model.model
+    for index, layer in enumerate(llama.layers):
+        for name in PROJECTIONS:
+            block = "self_attn" if name in PROJECTIONS[:4] else "mlp"
+            key = f"model.layers.{index}.{block}.{name}.weight"
+            wrapped = getattr(getattr(layer, block), name)
+            update = scaling * (wrapped.lora_B["default"].weight @ wrapped.lora_A["default"].weight).detach()
+            expected = original[key].float() + update
+            from_fp8 = wrapped.base_layer.dequantized_weight().float() + update
+            error = (merged[key].float() - expected).abs()
+            assert (error <= BF16_HALF_ULP * expected.abs() + 1e-6).all(), key
+            assert (merged[key].float() - from_fp8).norm() > 4 * error.norm(), key
+    for key in original.keys() - {k for k in original if "_proj" in k}:
+        assert torch.equal(merged[key], original[key]), key
