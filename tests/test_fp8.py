@@ -646,7 +646,7 @@ def hf_bf16_base(tmp_path_factory) -> Path:
     return directory
 
 
-def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path) -> tuple[Path, torch.nn.Module, float]:
+def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path, *overrides: str) -> tuple[Path, torch.nn.Module, float]:
     """A LoRA run on model.path=`hf_dir` with train.fp8=true, built as trainer.build does it but on the CPU
     (the job check refuses FP8 there), its adapters given random non-zero weights, the run directory's base
     kept as start_job keeps it, and step 1 saved by the CheckpointManager as the loop saves it. Returns the
@@ -656,7 +656,7 @@ def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path) -> tuple[Path, torch.
     from trainer.build import keep_extended_base, lora_base_path
     from trainer.checkpoint.format import Progress
     from trainer.checkpoint.manager import CheckpointManager
-    cfg = job_config(f"model.path={hf_dir}", f"output_dir={run_dir}", "seq_len=128")
+    cfg = job_config(f"model.path={hf_dir}", f"output_dir={run_dir}", "seq_len=128", *overrides)
     record_architecture(cfg)
     model = lora_model(Llama.from_pretrained(str(hf_dir), dtype=torch.bfloat16), cfg.train, lora_base_path(cfg))
     assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
@@ -674,14 +674,19 @@ def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path) -> tuple[Path, torch.
     return checkpoint, model, cfg.train.lora_alpha / cfg.train.lora_r
 
 
-def test_fp8_run_saves_plain_adapters_and_exports_onto_the_original_bf16_weights(hf_bf16_base, tmp_path):
+@pytest.mark.parametrize("rope", [[], ["model.rope_theta=40000"]], ids=["model.path", "changed_rope"])
+def test_fp8_run_saves_plain_adapters_and_exports_onto_the_original_bf16_weights(hf_bf16_base, tmp_path, rope):
     """Issue #41, point 5: the adapters are saved as without FP8 (LoRA tensors only, in their fp32), and the
     merged export is model.path's bf16 weights + scaling B A: within bf16's rounding of that, and clearly
-    farther (e4m3's rounding, 2^-4 against bf16's 2^-8) from the FP8 run's dequantized weights + scaling B A."""
+    farther (e4m3's rounding, 2^-4 against bf16's 2^-8) from the FP8 run's dequantized weights + scaling B A.
+    Under a changed rope export merges into the run's base_model/, which must hold model.path's weights too."""
     from scripts.export import export
     from trainer.checkpoint.format import ADAPTER_DIR
-    checkpoint, model, scaling = saved_fp8_lora_checkpoint(hf_bf16_base, tmp_path / "run")
-    assert not (tmp_path / "run" / BASE_MODEL_DIR).exists()     # model.path is the base: nothing else kept
+    checkpoint, model, scaling = saved_fp8_lora_checkpoint(hf_bf16_base, tmp_path / "run", *rope)
+    kept_base = tmp_path / "run" / BASE_MODEL_DIR / "model.safetensors"
+    assert kept_base.exists() == bool(rope)          # model.path itself is the base, unless the rope changed
+    if rope:
+        assert kept_base.read_bytes() == (hf_bf16_base / "model.safetensors").read_bytes()
     adapter = load_file(checkpoint / ADAPTER_DIR / "adapter_model.safetensors")
     adapter_dtypes = {p.dtype for name, p in model.named_parameters() if "lora_" in name}
     assert adapter_dtypes == {torch.float32}
