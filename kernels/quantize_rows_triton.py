@@ -39,6 +39,19 @@ def _round_to_e4m3(q):
 
 
 @triton.jit
+def _load_columns(x_ptr, x_row_stride, column_scale_ptr, rows, row_mask, start, n_cols,
+                  HAS_COLUMN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [start, start + BLOCK_K) of the program's rows in fp32, times their column scales if any; with
+    their column indices and mask."""
+    cols = start + tl.arange(0, BLOCK_K)
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_COLUMN_SCALE:
+        x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+    return x, cols, mask
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_ptr, n_rows, n_cols,
                           FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_COLUMN_SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -48,20 +61,14 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_pt
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     poison = tl.zeros([BLOCK_M], dtype=tl.float32)      # NaN where a row holds inf or NaN (x * 0)
     for start in range(0, n_cols, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_COLUMN_SCALE:
-            x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+        x, cols, mask = _load_columns(x_ptr, x_row_stride, column_scale_ptr, rows, row_mask, start, n_cols,
+                                      HAS_COLUMN_SCALE, BLOCK_K)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         poison += tl.sum(x * 0.0, axis=1)
     scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX + poison
     for start in range(0, n_cols, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_COLUMN_SCALE:
-            x = x * tl.load(column_scale_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+        x, cols, mask = _load_columns(x_ptr, x_row_stride, column_scale_ptr, rows, row_mask, start, n_cols,
+                                      HAS_COLUMN_SCALE, BLOCK_K)
         # IEEE division (a plain / compiles to an approximate one): the same quotients as the reference
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], _round_to_e4m3(q).to(q_ptr.dtype.element_ty),
