@@ -148,15 +148,18 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 # row's largest magnitude lands on e4m3's largest finite value; the scale is what dequantizes them again.
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# A row of zeros gets this scale (any positive value dequantizes zeros to zeros) rather than a division by 0.
-FP8_MIN_AMAX = 1e-12
+# A row of zeros gets this amax (any positive scale dequantizes zeros to zeros) rather than a division by 0. Far
+# below any real row's: a long sequence's gradients, times the weight's row scales folded into them
+# (model/fp8.py), can have row maxima near 1e-12, and a larger floor would coarsen them.
+FP8_MIN_AMAX = 2.0 ** -100
 
 
 def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (times `column_scale` [K] per column, fp32, when given) as e4m3 [M, K] and its fp32 row
     scales [M]: dequantized = q.float() * scale[:, None]. Rounding to nearest. A row holding a non-finite value
-    gets a NaN scale and NaN values, as in the Triton kernel (e4m3 has no infinity, and a cast would saturate
-    it to 448), so a bad value is never hidden."""
+    gets a NaN scale (and here NaN values; e4m3 has no infinity, and a cast would saturate it to 448): its
+    dequantized values and every product of the row are NaN, so a bad value is never hidden. The Triton kernel
+    gives the same scale; the values it stores for such a row are not part of the contract."""
     x32 = x.float() if column_scale is None else x.float() * column_scale.float()
     amax = x32.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
     scale = torch.where(torch.isfinite(x32).all(dim=-1), amax / FP8_MAX, torch.nan)

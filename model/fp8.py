@@ -55,6 +55,8 @@ class SharedQuantizedInput:
         self._kept: _Quantized | None = None
 
     def quantized(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_inference():         # no version counter to tell a changed tensor by: quantize each time
+            return kernels.quantize_rows(rows)
         kept = self._kept
         if kept is not None and kept.source() is x and kept.version == x._version:
             kept.readers_left -= 1

@@ -127,7 +127,7 @@ def _adapter_parameters(arch: LlamaConfig, train_cfg, names: Iterable[str]) -> i
 def frozen_weight_bytes(arch: LlamaConfig, train_cfg, frozen: int, weight_bytes: int) -> int:
     """The frozen weights' bytes: `weight_bytes` per weight, or with train.fp8 (model/fp8.py) one byte per
     decoder projection weight and an fp32 scale per projection row."""
-    if not getattr(train_cfg, "fp8", False):
+    if not getattr(train_cfg, "fp8", False) or train_cfg.mode != "lora":
         return frozen * weight_bytes
     projections = arch.num_hidden_layers * sum(i * o for i, o in projection_shapes(arch).values())
     rows = arch.num_hidden_layers * sum(o for _, o in projection_shapes(arch).values())

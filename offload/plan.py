@@ -189,7 +189,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     tiles = mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
                                 attention_kernel, sequence_parallel, one_process=ranks.world == 1)
-    if getattr(train_cfg, "fp8", False):
+    if getattr(train_cfg, "fp8", False) and train_cfg.mode == "lora":
         transient["FP8 copies"] = fp8_transient_bytes(arch, shape.tokens, -(-shape.tokens // tiles))
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
+from conf.schema.train import check_fp8, check_train  # noqa: E402
 from conf.schema.parallel import world_size  # noqa: E402
 from conf.validate import check_finite_numbers, check_known_keys  # noqa: E402
 from offload.placement import rebuilding_keeps  # noqa: E402
@@ -48,7 +49,9 @@ def main(cfg) -> None:
     try:
         check_known_keys(cfg)
         check_finite_numbers(cfg, JobConfig)
-        check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked
+        check_memory(cfg.memory)     # the plan is for a target machine: only its memory settings are checked,
+        check_train(cfg.train)       # and what is trained
+        check_fp8(cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
             print(plan_without_a_gpu(cfg.memory))
         resolve_gpu_preset(cfg.memory)

@@ -134,5 +134,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     result = main()
-    failed = any(run["exit"] != 0 for run in result["runs"].values()) or result["fast_path_problems"]
+    failed = (any(run["exit"] != 0 for run in result["runs"].values()) or result["fast_path_problems"]
+              or result.get("bounds_hold") is False)
     sys.exit(1 if failed else 0)

@@ -565,7 +565,7 @@ def test_train_py_with_fp8_on_the_cpu_refuses_in_one_line_and_writes_nothing(tmp
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output, output
     assert output.strip().splitlines()[-1].endswith(
-        "train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability 8.9+), and this job "
+        "train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability 9.0+), and this job "
         "runs on the CPU: set train.fp8=false"), output
     assert output.count("[ERROR]") == 1, output
     assert not run_dir.exists() and not (REPO / ".hydra").exists()

@@ -2,7 +2,7 @@
 real shapes, cuBLAS's FP8 product against the reference product, the FP8 projection's forward and input
 gradient against the reference backend, and a LoRA step's loss and adapter gradients against bf16.
 
-Skipped without a CUDA GPU of compute capability 8.9 or more, and under TRITON_INTERPRET=1.
+Skipped without a CUDA GPU of compute capability 9.0 or more (Hopper), and under TRITON_INTERPRET=1.
 """
 import contextlib
 import copy
@@ -17,8 +17,8 @@ import kernels
 from kernels import reference
 
 pytestmark = [conftest_kernels.needs_compiled_gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                                 reason="needs FP8 tensor cores (compute capability 8.9+)")]
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                 reason="needs Hopper FP8 tensor cores (compute capability 9.0+)")]
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -91,17 +91,18 @@ def plan_failure(cfg, plan: MemoryPlan) -> str:
 
 
 def check_fp8_job(cfg, device: torch.device) -> None:
-    """train.fp8=true needs FP8 tensor cores (compute capability 8.9: Ada, Hopper and later) and projection widths
-    cuBLAS's FP8 products take: ConfigError on the CPU, on older GPUs (the A100) and for odd widths."""
+    """train.fp8=true needs Hopper's FP8 tensor cores (compute capability 9.0: cuBLAS's row-scaled FP8 product,
+    the one measured) and projection widths it takes: ConfigError on the CPU, on older GPUs (the A100) and for
+    odd widths."""
     if not cfg.train.fp8:
         return
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability "
-                          f"8.9+), and this job runs on {'the CPU' if device.type != 'cuda' else 'no visible GPU'}: "
+                          f"9.0+), and this job runs on {'the CPU' if device.type != 'cuda' else 'no visible GPU'}: "
                           f"set train.fp8=false")
     capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ConfigError(f"train.fp8=true needs FP8 tensor cores (compute capability 8.9+: H100/H200), and "
+    if capability < (9, 0):
+        raise ConfigError(f"train.fp8=true needs Hopper's FP8 tensor cores (compute capability 9.0+: H100/H200), and "
                           f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: set "
                           f"train.fp8=false")
     arch = model_architecture(cfg)

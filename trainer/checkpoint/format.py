@@ -105,6 +105,10 @@ def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.o
     if is_lora(model):
         # The vocabulary is never resized, so the base's embeddings never belong in the adapter; "auto" would
         # read the base's config (model.path, or the hub) to find out.
+        # Given the trained weights, peft does not ask the whole model's state_dict, which would also build a
+        # bf16 copy of every FP8 base weight (model/fp8.py's Fp8Linear) on the GPU.
+        adapter = adapter if adapter is not None else {name: parameter.detach() for name, parameter
+                                                       in model.named_parameters() if parameter.requires_grad}
         model.save_pretrained(directory / ADAPTER_DIR, state_dict=adapter, save_embedding_layers=False)
     elif not world.distributed:
         save_weights(full_weights(model), directory)
