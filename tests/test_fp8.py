@@ -1,14 +1,17 @@
 """train.fp8 on the CPU (model/fp8.py, kernels.reference and kernels/quantize_rows_triton.py): the row quantizer's
-contract and its Triton kernel under the interpreter (byte for byte), the FP8 product's forward and input
-gradient against the reference formulas, the shared quantized input, the quantized LoRA model with and without
-the memory policy, the refusals (in validation, in the job check, and train.py as a process), the planner's
-byte count, the random base kept for export, and a model.path run's saved adapters and merged export (FP8
-leaves both as they were). (The compiled kernel and cuBLAS's FP8 product: tests/test_fp8_gpu.py.)"""
+contract and its Triton kernel under the interpreter (byte for byte; rows far below 1e-12 keep their own
+scales), the FP8 product's forward and input gradient against the reference formulas, the shared quantized
+input (and inference mode), the quantized LoRA model with and without the memory policy, the refusals (in
+validation, in the job check: the CPU and GPUs before Hopper, and train.py and scripts/plan.py as processes),
+the planner's byte count, the random base kept for export, and a model.path run's checkpoint (the adapters
+saved without dequantizing the base, resumed bit for bit) and merged export (FP8 leaves both as they were).
+(The compiled kernel and cuBLAS's FP8 product: tests/test_fp8_gpu.py.)"""
 import conftest_kernels  # first: interpreter or compiler settled before any kernels.* Triton module loads
 from conftest_kernels import poisoned_empty  # noqa: F401  (fixture)
 
 import copy
 import gc
+import re
 import subprocess
 import sys
 import weakref
@@ -95,6 +98,24 @@ def test_reference_zero_row_gives_zeros_and_the_smallest_scale():
     q, scale = reference.quantize_rows(x)
     assert scale[1] == reference.FP8_MIN_AMAX / FP8_MAX and torch.equal(q[1].float(), torch.zeros(40))
     assert torch.isfinite(dequantized(q, scale)).all()
+
+
+def tiny_rows() -> torch.Tensor:
+    """Rows whose largest magnitudes are 1e-13 (below the floor of 1e-12 an earlier version had; long sequences'
+    gradients times the weight's row scales come near it) and 1e-30, beside an ordinary row."""
+    torch.manual_seed(14)
+    x = torch.randn(3, 200)
+    return x / x.abs().amax(dim=1, keepdim=True) * torch.tensor([1e-13, 1e-30, 1.0])[:, None]
+
+
+def assert_quantized_with_their_own_scales(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    assert torch.equal(scale, x.abs().amax(dim=1) / FP8_MAX)
+    assert ((dequantized(q, scale) - x).abs() <= quantization_bound(x, scale)).all()
+
+
+def test_reference_rows_far_below_1e_12_get_their_own_scales():
+    x = tiny_rows()
+    assert_quantized_with_their_own_scales(*reference.quantize_rows(x), x)
 
 
 def test_reference_column_scale_multiplies_before_quantizing():
@@ -245,6 +266,15 @@ def test_triton_quantizer_non_finite_row(poisoned_empty, bad):  # noqa: F811
     assert torch.isnan(scale[4]) and torch.isnan(dequantized(q, scale)[4]).all()
     good = [0, 1, 2, 3, 5]
     assert_matches_reference(q[good], scale[good], x[good])
+
+
+@conftest_kernels.needs_interpreter
+def test_triton_quantizer_rows_far_below_1e_12_get_their_own_scales(poisoned_empty):  # noqa: F811
+    from kernels.quantize_rows_triton import quantize_rows
+    x = tiny_rows()
+    q, scale = quantize_rows(x, block_k=64)
+    assert_quantized_with_their_own_scales(q, scale, x)
+    assert_matches_reference(q, scale, x)
 
 
 @conftest_kernels.needs_interpreter
@@ -414,6 +444,22 @@ def test_a_single_reader_keeps_nothing(quantizations):
     assert len(quantizations) == 2 and all(values() is None for _, values in quantizations)
 
 
+def test_under_inference_mode_each_reader_quantizes_and_nothing_is_kept(quantizations):
+    """An inference tensor (what a forward under inference mode makes) has no version counter to tell a
+    changed input by: each reader quantizes its own copy."""
+    layers = qkv(SharedQuantizedInput(readers=3))
+    quantizations.clear()
+    with torch.inference_mode():
+        x = torch.randn(5, 16)
+        outputs = [layer(x) for layer in layers]
+    assert x.is_inference()
+    assert len(quantizations) == 3 and layers[0].shared_input._kept is None
+    x_q, x_scale = reference.quantize_rows(x)
+    for layer, y in zip(layers, outputs):
+        assert torch.equal(y, reference.scaled_matmul(x_q, x_scale, layer.weight_fp8, layer.weight_scale,
+                                                      torch.float32))
+
+
 # --- 5. the quantized LoRA model ---
 
 def tiny_lora(seed=9) -> torch.nn.Module:
@@ -524,14 +570,18 @@ def job_config(*overrides: str):
         return compose("config", overrides=["model=tiny", "train=lora", "train.fp8=true", *overrides])
 
 
-@pytest.mark.parametrize("overrides,message", [
+# What validation (train.py) and scripts/plan.py refuse with train.fp8=true, and the one line saying why.
+FP8_REFUSALS = [
     (["train=full"], "train.fp8=true runs the frozen base of a LoRA run in FP8; train=full trains every weight: set "
                      "train.fp8=false (or train=lora)"),
     (["parallel.shard=true"], "train.fp8=true holds the base's weights as buffers, which parallel.shard=true (FSDP2) "
                               "would not shard: set parallel.shard=false or train.fp8=false"),
     (["memory.gpu=a100_80gb"], "train.fp8=true needs FP8 tensor cores, which memory.gpu=a100_80gb lacks: set "
                                "train.fp8=false (or plan for memory.gpu=h100_80gb or h200)"),
-])
+]
+
+
+@pytest.mark.parametrize("overrides,message", FP8_REFUSALS)
 def test_validation_refuses_fp8_where_it_cannot_run(overrides, message):
     cfg = job_config(*overrides)
     with pytest.raises(ConfigError) as refused:
@@ -549,6 +599,24 @@ def test_the_job_check_refuses_the_cpu_and_passes_without_fp8():
                                           r"train.fp8=false$"):
         check_fp8_job(job_config(), torch.device("cpu"))
     check_fp8_job(job_config("train.fp8=false"), torch.device("cpu"))
+
+
+def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_the_job_check_refuses_a_gpu_before_hopper_naming_it_and_passes_hopper(monkeypatch):
+    """Compute capability 9.0 (cuBLAS's row-scaled FP8 product, the one measured): an Ada GPU (8.9, FP8
+    tensor cores too) is refused in one line naming it, an H100 passes."""
+    fake_gpu(monkeypatch, "NVIDIA L40S", (8, 9))
+    with pytest.raises(ConfigError) as refused:
+        check_fp8_job(job_config(), torch.device("cuda"))
+    assert str(refused.value) == ("train.fp8=true needs Hopper's FP8 tensor cores (compute capability 9.0+: "
+                                  "H100/H200), and NVIDIA L40S is 8.9: set train.fp8=false")
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    check_fp8_job(job_config(), torch.device("cuda"))
 
 
 def test_odd_widths_are_named():
@@ -608,6 +676,25 @@ def test_plans_without_fp8_are_unchanged():
         assert plan(without, seq_len).gpu == plan(off, seq_len).gpu
 
 
+def run_plan_script(*overrides: str) -> subprocess.CompletedProcess:
+    """scripts/plan.py, a process, for an FP8 LoRA run of Llama-3 8B (the default train=lora)."""
+    return subprocess.run([sys.executable, "scripts/plan.py", "model=llama3_8b", "train.fp8=true", *overrides],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("overrides,message", FP8_REFUSALS)
+def test_plan_script_refuses_what_train_py_refuses(overrides, message):
+    result = run_plan_script(*overrides)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr == f"cannot plan: {message}\n"
+
+
+def test_plan_script_plans_llama3_8b_fp8_lora_on_an_h100_with_its_fp8_weights():
+    result = run_plan_script("seq_len=32768", "memory.gpu=h100_80gb")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^ +weights +8\.46 GiB$", result.stdout, re.MULTILINE), result.stdout
+
+
 # --- 8. the random base kept for export ---
 
 def test_full_weights_and_the_kept_random_base_hold_every_projection_dequantized(fp8_and_bf16_models, tmp_path):
@@ -646,32 +733,102 @@ def hf_bf16_base(tmp_path_factory) -> Path:
     return directory
 
 
-def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path, *overrides: str) -> tuple[Path, torch.nn.Module, float]:
-    """A LoRA run on model.path=`hf_dir` with train.fp8=true, built as trainer.build does it but on the CPU
-    (the job check refuses FP8 there), its adapters given random non-zero weights, the run directory's base
-    kept as start_job keeps it, and step 1 saved by the CheckpointManager as the loop saves it. Returns the
-    checkpoint, the model and the adapters' scaling (alpha / r)."""
-    from omegaconf import OmegaConf
+def fp8_lora_job(hf_dir: Path, run_dir: Path, *overrides: str):
+    """The config and model of a LoRA run on model.path=`hf_dir` with train.fp8=true, built as trainer.build
+    does it but on the CPU (the job check refuses FP8 there)."""
     from trainer.architecture import record_architecture
-    from trainer.build import keep_extended_base, lora_base_path
-    from trainer.checkpoint.format import Progress
-    from trainer.checkpoint.manager import CheckpointManager
+    from trainer.build import lora_base_path
     cfg = job_config(f"model.path={hf_dir}", f"output_dir={run_dir}", "seq_len=128", *overrides)
     record_architecture(cfg)
     model = lora_model(Llama.from_pretrained(str(hf_dir), dtype=torch.bfloat16), cfg.train, lora_base_path(cfg))
     assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
+    return cfg, model
+
+
+def optimizer_and_schedule(model: torch.nn.Module):
+    """AdamW over the adapters and a constant schedule: what a checkpoint saves and a resume restores."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+# The data pipeline's state, empty here.
+NO_DATA = SimpleNamespace(state_dict=dict, load_state_dict=lambda state, force=False: None)
+
+
+def saved_fp8_lora_checkpoint(hf_dir: Path, run_dir: Path, *overrides: str) -> tuple[Path, torch.nn.Module, float]:
+    """fp8_lora_job's run with its adapters given random non-zero weights, the run directory's base kept as
+    start_job keeps it, and step 1 saved by the CheckpointManager as the loop saves it. Returns the
+    checkpoint, the model and the adapters' scaling (alpha / r)."""
+    from omegaconf import OmegaConf
+    from trainer.build import keep_extended_base
+    from trainer.checkpoint.format import Progress
+    from trainer.checkpoint.manager import CheckpointManager
+    cfg, model = fp8_lora_job(hf_dir, run_dir, *overrides)
     torch.manual_seed(13)
-    adapters = [p for name, p in model.named_parameters() if "lora_" in name]
     with torch.no_grad():
-        for parameter in adapters:
-            parameter.normal_(0, 0.05)
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.05)
     run_dir.mkdir()
     keep_random_base(cfg, model, run_dir)
     keep_extended_base(cfg, model, run_dir)
-    state = SimpleNamespace(state_dict=dict)        # the scheduler's and the data pipeline's: empty here
     checkpoint = CheckpointManager.for_run(run_dir, cfg.checkpoint).save(
-        model, torch.optim.AdamW(adapters), state, state, Progress(step=1), OmegaConf.to_yaml(cfg, resolve=True))
+        model, *optimizer_and_schedule(model), NO_DATA, Progress(step=1), OmegaConf.to_yaml(cfg, resolve=True))
     return checkpoint, model, cfg.train.lora_alpha / cfg.train.lora_r
+
+
+def count_calls(monkeypatch, cls: type, name: str) -> list:
+    """Calls of the method `name` of `cls` from now on (the method wrapped, monkeypatched back after)."""
+    calls, method = [], getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return method(self, *args, **kwargs)
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+def fp8_base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every FP8 base tensor's bytes (e4m3 weights, fp32 scales), by name."""
+    return {name: buffer.clone().view(torch.uint8) for name, buffer in model.named_buffers()
+            if name.endswith(("weight_fp8", "weight_scale"))}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")     # no step taken here
+def test_an_fp8_lora_checkpoint_saves_the_adapters_alone_and_resumes_them_bit_for_bit(hf_bf16_base, tmp_path,
+                                                                                        monkeypatch):
+    """The save never asks the model's state_dict (which would build a bf16 copy of every FP8 weight on the
+    GPU): the adapter saved is the trainable weights as they are. The trainer's resume (the checkpoint chosen
+    by resume=auto, its shapes checked, restored) puts them back bit for bit into a freshly built FP8 model,
+    leaving its FP8 base as built."""
+    from trainer.checkpoint.format import ADAPTER_DIR
+    from trainer.checkpoint.manager import CheckpointManager, adapter_names
+    from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes
+    from trainer.distributed import World
+    dequantizations = count_calls(monkeypatch, Fp8Linear, "dequantized_weight")
+    state_dicts = count_calls(monkeypatch, Fp8Linear, "_save_to_state_dict")
+    run_dir = tmp_path / "run"
+    checkpoint, model, _ = saved_fp8_lora_checkpoint(hf_bf16_base, run_dir)
+    assert dequantizations == [] and state_dicts == []
+    adapter = load_file(checkpoint / ADAPTER_DIR / "adapter_model.safetensors")
+    trained = {disk: model.get_parameter(name) for disk, name in adapter_names(model).items()}
+    assert adapter.keys() == trained.keys() and len(adapter) == 2 * 2 * len(PROJECTIONS)
+    assert all(torch.equal(adapter[key], trained[key]) for key in adapter)
+    model.state_dict()                      # the counters see what the save did not do
+    assert len(dequantizations) == len(state_dicts) == 2 * len(PROJECTIONS)
+
+    cfg, fresh = fp8_lora_job(hf_bf16_base, run_dir)
+    base = fp8_base(fresh)
+    assert base.keys() == fp8_base(model).keys() and len(base) == 2 * 2 * len(PROJECTIONS)
+    assert not any(torch.equal(fresh.get_parameter(name), trained[disk]) for disk, name in adapter_names(fresh).items())
+    checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
+    loaded = agreed_checkpoint(cfg, checkpoints, World.single())
+    assert loaded.path == checkpoint
+    check_same_shapes(loaded, fresh, cfg)
+    checkpoints.restore(loaded, fresh, *optimizer_and_schedule(fresh), NO_DATA, cfg.resume_force)
+    for disk, name in adapter_names(fresh).items():
+        assert torch.equal(fresh.get_parameter(name), adapter[disk]), disk
+    assert all(torch.equal(tensor, base[name]) for name, tensor in fp8_base(fresh).items())
 
 
 @pytest.mark.parametrize("rope", [[], ["model.rope_theta=40000"]], ids=["model.path", "changed_rope"])

@@ -199,6 +199,15 @@ def test_fp8_comparison_trains_lora_twice_from_the_warm_start_and_judges_the_bou
     assert redrawn.returncode == 0 and "[bf16] " not in redrawn.stdout, redrawn.stdout[-2000:]
     assert summary_of(redrawn)["runs"]["fp8"]["final_loss_mean"] == summary["runs"]["fp8"]["final_loss_mean"]
 
+    # The second arm's losses 5% above the first's: both runs finished, the bounds fail, and so does the gate.
+    metrics = root / "fp8" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(r | {"loss": r["loss"] * 1.05}) + "\n" for r in records))
+    failed = run_script(*options, "--redraw", str(root))
+    assert failed.returncode == 1, failed.stdout[-2000:] + failed.stderr[-2000:]
+    assert summary_of(failed)["bounds_hold"] is False and "(bound 1%: FAILS)" in failed.stdout
+    assert all(run["exit"] == 0 for run in summary_of(failed)["runs"].values())
+
 
 def test_the_fp8_arm_fails_on_the_cpu_with_the_trainers_refusal(tmp_path):
     done = run_script(*fp8_options(tmp_path, "--steps", "2", "--warm-start-steps", "0"))
