@@ -65,11 +65,11 @@ def _quantize_rows_kernel(x_ptr, x_row_stride, column_scale_ptr, q_ptr, scale_pt
                                       HAS_COLUMN_SCALE, BLOCK_K)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         poison += tl.sum(x * 0.0, axis=1)
-    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX + poison
+    # IEEE divisions (a plain / compiles to an approximate one): the reference's scales and quotients
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX) + poison
     for start in range(0, n_cols, BLOCK_K):
         x, cols, mask = _load_columns(x_ptr, x_row_stride, column_scale_ptr, rows, row_mask, start, n_cols,
                                       HAS_COLUMN_SCALE, BLOCK_K)
-        # IEEE division (a plain / compiles to an approximate one): the same quotients as the reference
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + rows[:, None] * n_cols + cols[None, :], _round_to_e4m3(q).to(q_ptr.dtype.element_ty),
                  mask=mask)

@@ -162,7 +162,9 @@ def quantize_rows(x: torch.Tensor, column_scale: torch.Tensor | None = None) -> 
     gives the same scale; the values it stores for such a row are not part of the contract."""
     x32 = x.float() if column_scale is None else x.float() * column_scale.float()
     amax = x32.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
-    scale = torch.where(torch.isfinite(x32).all(dim=-1), amax / FP8_MAX, torch.nan)
+    # Divided by a tensor: PyTorch divides a CUDA tensor by a scalar as a product with its reciprocal, which is
+    # not the IEEE quotient that the kernel computes (and the CPU gives)
+    scale = torch.where(torch.isfinite(x32).all(dim=-1), amax / torch.full_like(amax, FP8_MAX), torch.nan)
     q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE), scale
 

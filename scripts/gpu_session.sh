@@ -4,6 +4,9 @@
 #   bash scripts/gpu_session.sh kernel_tests bench_attn train_32k peer_32k train_131k peer_131k
 #   bash scripts/gpu_session.sh recall_curve_bg poll; bash scripts/gpu_session.sh poll   # the recall curve
 #   bash scripts/gpu_session.sh fp8_quality_bg poll; bash scripts/gpu_session.sh poll    # issue 41's FP8 gate
+#   bash scripts/gpu_session.sh bench_fp8 train_32k; BENCH_OVERRIDES="... train.fp8=true" bash ... train_32k
+#                                                      # FP8's products, then its step (docs/PERFORMANCE.md)
+#                                                      # (.whl/ made by wheels.sh liger-kernel==0.8.5 torchao==0.18.0)
 #   bash scripts/gpu_session.sh long_steps poll; bash scripts/gpu_session.sh poll   # jobs longer than a call
 #   bash scripts/gpu_session.sh full_32k train_32k full_64k train_64k train_131k   # issue 14's table, then
 #   bash scripts/gpu_session.sh full_131k peer_32k peer_131k                       # (over 10 minutes in one)
@@ -26,7 +29,7 @@ nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 # The GPU tests in two halves (on the H100 kernel_tests took 5 minutes, training_tests 1.5: both fit one call);
 # -v names each result as it comes.
 KERNEL_TESTS="tests/test_flash_attention.py tests/test_cudnn_attention.py tests/test_kernels_gpu.py tests/test_rope_swiglu_gpu.py
-  tests/test_adamw_kernel.py"
+  tests/test_adamw_kernel.py tests/test_fp8_gpu.py"
 # A test still running after 2 minutes has every thread's stack written to the log (a hang shows where it is).
 STACKS="-o faulthandler_timeout=120"
 TRAINING_TESTS="tests/test_offload.py tests/test_full_finetune.py tests/test_resume.py tests/test_dispatch.py
@@ -94,6 +97,9 @@ for step in "$@"; do
         grep -v "max diff 0 lse max diff 0 nan False" ;;
     attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;
+    # FP8 (train.fp8): the products against bf16 and torchao (needs its wheel in .whl/), one layer's error
+    bench_fp8) python3 scripts/bench_fp8.py ${BENCH_FP8_ARGS:---torchao} --json $OUT/bench_fp8.json 2>&1 | tee $OUT/bench_fp8.log |
+      grep -v "^{" | tail -30 ;;
     train_32k) bench --seq-len 32768 --steps 3 ;;
     train_64k) bench --seq-len 65536 --steps 3 ;;
     train_131k) bench --seq-len 131072 --steps 2 ;;

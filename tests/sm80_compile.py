@@ -38,10 +38,13 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import kernels  # noqa: E402
 
 (_row_norm, adamw_update, fa, fa_kernels, fa_hopper, fa_hopper_backward, layer_norm, linear_cross_entropy, rms_norm,
- rope, swiglu) = (importlib.import_module(f"kernels.{name}") for name in
+ rope, swiglu, quantize_rows, transpose) = (importlib.import_module(f"kernels.{name}") for name in
                   ("_row_norm", "adamw_update_triton", "attention.flash_attention", "attention.triton_kernels",
                    "attention.flash_attention_hopper", "attention.flash_attention_hopper_backward", "layer_norm_triton",
-                   "linear_cross_entropy_triton", "rms_norm_triton", "rope_triton", "swiglu_triton"))
+                   "linear_cross_entropy_triton", "rms_norm_triton", "rope_triton", "swiglu_triton",
+                   "quantize_rows_triton", "transpose_triton"))
+# Triton kernels that only Hopper runs (train.fp8 is refused below compute capability 9.0): compiled for sm_90a.
+HOPPER_ONLY = (quantize_rows._quantize_rows_kernel,)
 
 A100 = GPUTarget("cuda", 80, 32)
 H100 = GPUTarget("cuda", 90, 32)
@@ -117,6 +120,12 @@ def _jobs(all_configs: bool) -> list[tuple]:
         (rope._rope_kernel, {"BLOCK_HEADS": 32, "BLOCK_HALF": 64, "TRANSPOSE": False}, {"num_warps": 4}, {}, {}),
         (swiglu._swiglu_forward_kernel, {"BLOCK": swiglu.BLOCK}, {"num_warps": swiglu.NUM_WARPS}, {}, {}),
         (swiglu._swiglu_backward_kernel, {"BLOCK": swiglu.BLOCK}, {"num_warps": swiglu.NUM_WARPS}, {}, {}),
+        (quantize_rows._quantize_rows_kernel,
+         {"FP8_MAX": 448.0, "MIN_AMAX": 2.0 ** -100, "HAS_COLUMN_SCALE": True, "BLOCK_M": quantize_rows.BLOCK_M,
+          "BLOCK_K": quantize_rows.BLOCK_K}, {"num_warps": quantize_rows.NUM_WARPS},
+         {"column_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, {}),
+        (transpose._transpose_kernel, {"BLOCK": transpose.BLOCK}, {"num_warps": transpose.NUM_WARPS},
+         {"x_ptr": "*u8", "y_ptr": "*u8"}, {}),
         (adamw_update._adamw_kernel, {"BLOCK": adamw_update.BLOCK}, {}, {},
          dict.fromkeys(["grad_scale", "beta1", "beta2", "eps", "decay_factor", "step_size",
                         "bias_correction2_sqrt"], "fp32")),
@@ -153,9 +162,10 @@ def _spill_bytes(ptx: str, arch: str) -> int:
 
 def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
     """The index-th job (jobs hold kernels, which do not pickle: a worker rebuilds the list), for sm_90a if
-    it is a Gluon (Hopper) kernel, else for sm_80."""
+    it is a Gluon (Hopper) kernel or in HOPPER_ONLY, else for sm_80."""
     fn, constexprs, options, pointers, scalars, integers_aligned = compile_jobs(all_configs)[index]
-    hopper = fn.is_gluon()
+    gluon = fn.is_gluon()
+    hopper = gluon or fn in HOPPER_ONLY
     signature, attrs = {}, {}
     for index, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if name in constexprs:
@@ -175,7 +185,7 @@ def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
                           if k.startswith(("BLOCK", "HAS_DOCS", "HEAD_DIM", "CAUSAL"))} | options
               | {"integers_aligned": integers_aligned}}
     start = time.time()
-    source = (GluonASTSource if hopper else ASTSource)(fn, signature, constexprs, attrs)
+    source = (GluonASTSource if gluon else ASTSource)(fn, signature, constexprs, attrs)
     try:
         compiled = triton.compile(source, target=H100 if hopper else A100, options=options)
     except Exception as error:   # reported per kernel: the test names the one that fails
@@ -185,6 +195,7 @@ def compile_for_its_gpu(all_configs: bool, index: int) -> dict:
                      "cubin_bytes": len(compiled.asm["cubin"]), "target_sm80": ".target sm_80" in ptx,
                      "target_sm90a": ".target sm_90a" in ptx, "mma_sync": "mma.sync" in ptx, "wgmma": "wgmma" in ptx,
                      "tma": "cp.async.bulk.tensor" in ptx or "tensormap" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                     "cvt_e4m3": "e4m3" in ptx,
                      **({"spill_bytes": _spill_bytes(ptx, "sm_90a")} if hopper else {})}
 
 

@@ -1,5 +1,5 @@
 """Every Triton kernel of kernels/ compiles for the A100 (sm_80), and the Gluon Hopper forward and backward
-for sm_90a, proven on any machine, GPU or not.
+and FP8's quantizer (only Hopper runs them) for sm_90a, proven on any machine, GPU or not.
 
 tests/sm80_compile.py compiles each kernel with triton.compile for GPUTarget("cuda", 80, 32) down to a cubin
 (Triton's wheel carries ptxas; no CUDA driver is needed). Checked: no kernel is left out, each compiles,
@@ -48,6 +48,10 @@ def test_every_kernel_compiles_for_the_a100():
     for kernel in compiled:
         name = kernel["kernel"]
         assert "error" not in kernel, f"{name} does not compile for {kernel['target']}: {kernel.get('error')}"
+        if kernel["target"] == "sm_90a" and "quantize_rows" in name:
+            # FP8's quantizer (only Hopper runs it): compiles to Hopper's conversion to e4m3
+            assert kernel["target_sm90a"] and kernel["cvt_e4m3"], kernel
+            continue
         if kernel["target"] == "sm_90a":
             # warp-specialized (setmaxnreg), TMA and wgmma, within an H100's shared memory; no register spills
             # in the forward; the backward's few (76-184 bytes, with which it was measured) bounded so that
