@@ -797,10 +797,10 @@ def fp8_base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")     # no step taken here
 def test_an_fp8_lora_checkpoint_saves_the_adapters_alone_and_resumes_them_bit_for_bit(hf_bf16_base, tmp_path,
                                                                                         monkeypatch):
-    """The save never asks the model's state_dict (which would build a bf16 copy of every FP8 weight on the
-    GPU): the adapter saved is the trainable weights as they are. The trainer's resume (the checkpoint chosen
-    by resume=auto, its shapes checked, restored) puts them back bit for bit into a freshly built FP8 model,
-    leaving its FP8 base as built."""
+    """Neither the save nor the resume asks the model's state_dict (which would build a bf16 copy of every FP8
+    weight on the GPU): the adapter saved is the trainable weights as they are. The trainer's resume (the
+    checkpoint chosen by resume=auto, its shapes checked, restored) puts them back bit for bit into a freshly
+    built FP8 model, leaving its FP8 base as built."""
     from trainer.checkpoint.format import ADAPTER_DIR
     from trainer.checkpoint.manager import CheckpointManager, adapter_names
     from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes
@@ -825,7 +825,10 @@ def test_an_fp8_lora_checkpoint_saves_the_adapters_alone_and_resumes_them_bit_fo
     loaded = agreed_checkpoint(cfg, checkpoints, World.single())
     assert loaded.path == checkpoint
     check_same_shapes(loaded, fresh, cfg)
+    dequantizations.clear()
+    state_dicts.clear()
     checkpoints.restore(loaded, fresh, *optimizer_and_schedule(fresh), NO_DATA, cfg.resume_force)
+    assert dequantizations == [] and state_dicts == []      # nor does the resume
     for disk, name in adapter_names(fresh).items():
         assert torch.equal(fresh.get_parameter(name), adapter[disk]), disk
     assert all(torch.equal(tensor, base[name]) for name, tensor in fp8_base(fresh).items())

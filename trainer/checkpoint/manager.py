@@ -198,11 +198,12 @@ class CheckpointManager:
             load_full_state(model, optimizer, weights, loaded.optimizer)
             return
         if is_lora(model):
-            from peft import set_peft_model_state_dict
-            result = set_peft_model_state_dict(model, loaded.weights)
-            if result.unexpected_keys:
-                raise CheckpointError(f"{loaded.path}: adapter tensors {result.unexpected_keys[:5]} do not fit "
-                                      f"this model (train.* LoRA settings differ?)")
+            # Into the parameters by name, not through peft's set_peft_model_state_dict, which asks the whole
+            # model's state_dict: with an FP8 base (model/fp8.py) that builds a bf16 copy of every weight.
+            parameters = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in adapter_by_parameter(loaded, model).items():
+                    parameters[name].copy_(tensor)
         else:
             model.load_state_dict(whole_weights(loaded, model), strict=False)
             model.tie_weights()
