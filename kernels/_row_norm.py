@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.rows import as_gradient_rows, as_rows
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A row lives in registers: past this the backward's four row-sized fp32 values per thread would spill.
 MAX_HIDDEN = 32768
@@ -44,29 +46,6 @@ def check_inputs(op: str, x: torch.Tensor, *params: torch.Tensor | None) -> None
                              f"{tuple(param.shape)} stride {param.stride()}")
         if param.device != x.device:
             raise ValueError(f"{op}: weight/bias on {param.device} but x on {x.device}")
-
-
-def as_rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
-    """View `t` as [rows, hidden] with unit column stride and one row stride, without copying."""
-    hidden = t.shape[-1]
-    try:
-        rows = t.view(-1, hidden)
-    except RuntimeError:
-        rows = None
-    if rows is None or (hidden > 1 and rows.stride(1) != 1):
-        raise ValueError(
-            f"{op}: {name} of shape {tuple(t.shape)} and strides {t.stride()} is not a stack of dense "
-            f"rows with one row stride; call .contiguous() on it if that copy is intended")
-    return rows
-
-
-def as_gradient_rows(grad: torch.Tensor) -> torch.Tensor:
-    """The incoming gradient as [rows, hidden]; autograd may hand an expanded (stride 0) tensor, which
-    the kernels read through its strides, so only an unflattenable layout is copied."""
-    try:
-        return grad.view(-1, grad.shape[-1])
-    except RuntimeError:
-        return grad.reshape(-1, grad.shape[-1])
 
 
 def row_config(hidden: int, num_warps: int | None) -> tuple[int, int]:

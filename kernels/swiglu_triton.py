@@ -13,7 +13,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from kernels import _row_norm
+from kernels import rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Columns per program and warps (the defaults of `swiglu`'s keyword arguments): 8 elements (16 bytes of
@@ -64,7 +64,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, block: int, num_warps: int) -> torch.Tensor:
         _check_inputs(gate, up)
-        gate_rows, up_rows = _row_norm.as_rows("swiglu", "gate", gate), _row_norm.as_rows("swiglu", "up", up)
+        gate_rows, up_rows = rows.as_rows("swiglu", "gate", gate), rows.as_rows("swiglu", "up", up)
         y = torch.empty(gate_rows.shape, dtype=gate.dtype, device=gate.device)
         ctx.grid = (gate_rows.shape[0], triton.cdiv(gate_rows.shape[1], block))
         ctx.launch = dict(BLOCK=block, num_warps=num_warps)
@@ -77,8 +77,8 @@ class SwiGLUFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        gate_rows, up_rows = _row_norm.as_rows("swiglu", "gate", gate), _row_norm.as_rows("swiglu", "up", up)
-        dy_rows = _row_norm.as_gradient_rows(dy)
+        gate_rows, up_rows = rows.as_rows("swiglu", "gate", gate), rows.as_rows("swiglu", "up", up)
+        dy_rows = rows.as_gradient_rows(dy)
         dgate = torch.empty(gate_rows.shape, dtype=gate.dtype, device=gate.device)
         dup = torch.empty_like(dgate)
         _swiglu_backward_kernel[ctx.grid](

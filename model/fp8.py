@@ -12,10 +12,10 @@ is built (the bf16 weight is freed), and the projection's forward and input-grad
 FP8 tensor cores read both operands along the summed dimension, so the backward's product reads W transposed:
 a one-byte copy made for the product and freed after it, rather than a second copy of every weight kept.
 The forward's product accumulates in Hopper's fast FP8 mode, the backward's with cuBLAS's promotion to fp32
-(torchao.float8's defaults; the difference in docs/PERFORMANCE.md, "FP8"). The forward saves nothing for the
-backward (the base is frozen: no weight gradient needs the input). An input that several projections read
-(q, k and v read the normed hidden state; gate and up the MLP's input) is quantized once
-(SharedQuantizedInput). Quality and speed against bf16: docs/PERFORMANCE.md, "FP8".
+(torchao.float8's defaults). The forward saves nothing for the backward (the base is frozen: no weight
+gradient needs the input). An input that several projections read (q, k and v read the normed hidden state;
+gate and up the MLP's input) is quantized once (SharedQuantizedInput). Quality and speed against bf16, and
+what fast accumulation gains: docs/PERFORMANCE.md, "FP8 for the frozen base".
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 import kernels
+from kernels.rows import as_rows
 from model.hf_checkpoint import unwrap_llama
 
 # The decoder projections that run in FP8, with the groups that read one input.
@@ -69,15 +70,6 @@ class SharedQuantizedInput:
         return values, scale
 
 
-def _as_rows(x: torch.Tensor, what: str) -> torch.Tensor:
-    """[..., width] as [rows, width], a view: never a silent copy."""
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError as error:
-        raise ValueError(f"FP8 projection: the {what} of shape {tuple(x.shape)} and strides {x.stride()} is not "
-                         f"a view of contiguous rows") from error
-
-
 class Fp8Product(torch.autograd.Function):
     """y = x W^T of a frozen Fp8Linear. Saves nothing; the backward quantizes the incoming gradient with W's
     row scales folded in and multiplies it by W transposed (see the module docstring). `unread`: nothing will
@@ -90,7 +82,7 @@ class Fp8Product(torch.autograd.Function):
         ctx.linear, ctx.input_dtype = linear, x.dtype
         if unread:
             return torch.empty(*x.shape[:-1], linear.out_features, dtype=out_dtype, device=x.device)
-        values, scale = linear.shared_input.quantized(x, _as_rows(x, "input"))
+        values, scale = linear.shared_input.quantized(x, as_rows("FP8 projection", "input", x))
         y = kernels.scaled_matmul(values, scale, linear.weight_fp8, linear.weight_scale, out_dtype,
                                   fast_accumulation=True)
         return y.view(*x.shape[:-1], linear.out_features)
@@ -99,7 +91,7 @@ class Fp8Product(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         linear = ctx.linear
-        values, scale = kernels.quantize_rows(_as_rows(grad, "gradient"), linear.weight_scale)
+        values, scale = kernels.quantize_rows(as_rows("FP8 projection", "gradient", grad), linear.weight_scale)
         weight_t = kernels.transpose(linear.weight_fp8)
         ones = torch.ones(linear.in_features, dtype=torch.float32, device=grad.device)
         grad_x = kernels.scaled_matmul(values, scale, weight_t, ones, ctx.input_dtype)
