@@ -25,12 +25,13 @@ NUM_WARPS = 8
 
 @triton.jit
 def _round_to_e4m3(q):
-    """fp32 q rounded to the nearest e4m3 value (ties to even), still in fp32. Triton converts fp32 to e4m3
-    through fp16, rounding twice (37.99999 becomes 38.0, then the tie rounds to 40 where 36 is nearest); rounded
-    here first, the conversion is exact. Normal e4m3 keeps 3 mantissa bits: the low 20 of fp32's are rounded
-    away on the bits. Subnormal e4m3 (below 2^-6) is a multiple of 2^-9: adding and subtracting 1.5 * 2^14,
-    whose fp32 ulp is 2^-9, rounds to one; done on the magnitude, with q's sign bit put back after, so that
-    what rounds to zero keeps its sign as the cast gives it (-0, not +0; Triton's negation is 0 - x, so the bit)."""
+    """fp32 q rounded to the nearest e4m3 value (ties to even), still in fp32. Hopper's conversion of fp32 to
+    e4m3 (the PTX's cvt.rn.satfinite.e4m3x2.f32) rounds twice, through fp16 (37.99999 becomes 38.0, then the
+    tie rounds to 40 where 36 is nearest); rounded here first, the conversion is exact. Normal e4m3 keeps 3
+    mantissa bits: the low 20 of fp32's are rounded away on the bits. Subnormal e4m3 (below 2^-6) is a
+    multiple of 2^-9: adding and subtracting 1.5 * 2^14, whose fp32 ulp is 2^-9, rounds to one; done on the
+    magnitude, with q's sign bit put back after, so that what rounds to zero keeps its sign as the cast gives it
+    (-0, not +0; Triton's negation is 0 - x, so the bit)."""
     bits = q.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(q) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)

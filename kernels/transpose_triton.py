@@ -1,7 +1,7 @@
 """A 2-D transpose in Triton (`reference.transpose`), for the one-byte FP8 weights the backward's product reads
 transposed (model/fp8.py): PyTorch's strided copy moves float8 at a small fraction of the memory bandwidth
-(docs/PERFORMANCE.md, "FP8"). One program moves a BLOCK x BLOCK tile; Triton routes the transposition through
-shared memory, so loads and stores both run along contiguous rows.
+(docs/PERFORMANCE.md, "FP8 for the frozen base"). One program moves a BLOCK x BLOCK tile; Triton routes the
+transposition through shared memory, so loads and stores both run along contiguous rows.
 """
 from __future__ import annotations
 
