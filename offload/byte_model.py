@@ -124,13 +124,19 @@ def _adapter_parameters(arch: LlamaConfig, train_cfg, names: Iterable[str]) -> i
     return sum(train_cfg.lora_r * sum(shapes[name]) for name in names if name in train_cfg.lora_target_modules)
 
 
+def fp8_base(train_cfg) -> bool:
+    """Whether the frozen base's projections are held in FP8 (train.fp8 with LoRA, model/fp8.py)."""
+    return getattr(train_cfg, "fp8", False) and train_cfg.mode == "lora"
+
+
 def frozen_weight_bytes(arch: LlamaConfig, train_cfg, frozen: int, weight_bytes: int) -> int:
-    """The frozen weights' bytes: `weight_bytes` per weight, or with train.fp8 (model/fp8.py) one byte per
-    decoder projection weight and an fp32 scale per projection row."""
-    if not getattr(train_cfg, "fp8", False) or train_cfg.mode != "lora":
+    """The frozen weights' bytes: `weight_bytes` per weight, or with an FP8 base one byte per decoder
+    projection weight and an fp32 scale per projection row."""
+    if not fp8_base(train_cfg):
         return frozen * weight_bytes
-    projections = arch.num_hidden_layers * sum(i * o for i, o in projection_shapes(arch).values())
-    rows = arch.num_hidden_layers * sum(o for _, o in projection_shapes(arch).values())
+    shapes = projection_shapes(arch).values()
+    projections = arch.num_hidden_layers * sum(i * o for i, o in shapes)
+    rows = arch.num_hidden_layers * sum(o for _, o in shapes)
     return (frozen - projections) * weight_bytes + projections + 4 * rows
 
 
@@ -138,10 +144,10 @@ def fp8_transient_bytes(arch: LlamaConfig, tokens: int, tile_tokens: int) -> int
     """What FP8 products (train.fp8) add to a layer's backward, one byte an element: the quantized input that
     q, k and v share while they are recomputed, the widest quantized gradient (an attention projection's over
     every token, or an MLP tile's) with fp32 row scales, and the transposed weight its product reads."""
-    shapes = projection_shapes(arch).values()
-    attention_width = max(o for _, o in list(shapes)[:4])
+    shapes = projection_shapes(arch)
+    attention_width = max(shapes[name][1] for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
     gradient = max(tokens * attention_width, tile_tokens * arch.intermediate_size) + 4 * tokens
-    return tokens * arch.hidden_size + gradient + max(i * o for i, o in shapes)
+    return tokens * arch.hidden_size + gradient + max(i * o for i, o in shapes.values())
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch
 from kernels.attention import AttentionRoute
 from model.config import LlamaConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                eval_forward_bytes, fp8_transient_bytes, frozen_weight_bytes, full_layer_bytes,
-                                layer_parameters, parameter_counts, pinned_size, sequence_exchange_bytes,
-                                top_layer_full_costs_nothing, transient_bytes)
+                                eval_forward_bytes, fp8_base, fp8_transient_bytes, frozen_weight_bytes,
+                                full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
+                                sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers
 from offload.state_layouts import DISTRIBUTED_LAYOUTS, layout_memory, layouts_to_try, weights_dtype
 from offload.store import AttentionPlacement, Placement
@@ -189,7 +189,7 @@ def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: 
     tiles = mlp_tiles(shape.tokens, memory_cfg)
     transient = transient_bytes(shape, train_cfg, tiles, memory_cfg.checkpoint, capacity.device_type,
                                 attention_kernel, sequence_parallel, one_process=ranks.world == 1)
-    if getattr(train_cfg, "fp8", False) and train_cfg.mode == "lora":
+    if fp8_base(train_cfg):
         transient["FP8 copies"] = fp8_transient_bytes(arch, shape.tokens, -(-shape.tokens // tiles))
     if sequence_parallel > 1:
         transient["sequence-parallel exchange"] = sequence_exchange_bytes(shape, sequence_parallel)
