@@ -55,10 +55,6 @@ def timed(fn, repeats: int = 20, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def eager_quantize(x: torch.Tensor, column_scale: torch.Tensor | None = None):
-    return reference.quantize_rows(x, column_scale)
-
-
 def projection_times(tokens: int, in_features: int, out_features: int, use_torchao: bool) -> dict[str, float]:
     device = torch.device("cuda")
     weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
@@ -83,23 +79,17 @@ def projection_times(tokens: int, in_features: int, out_features: int, use_torch
         fp8(xi).backward(grad)
 
     def eager():
-        a, s = eager_quantize(x)
+        a, s = reference.quantize_rows(x)
         kernels.scaled_matmul(a, s, qw, sw, torch.bfloat16)
-        b, t = eager_quantize(grad, sw)
+        b, t = reference.quantize_rows(grad, sw)
         kernels.scaled_matmul(b, t, kernels.transpose(qw), ones, torch.bfloat16)
 
-    def products():
-        kernels.scaled_matmul(qx, sx, qw, sw, torch.bfloat16)
-        kernels.scaled_matmul(qg, sg, qw_t, ones, torch.bfloat16)
-
-    def products_fast_accumulation():
-        torch._scaled_mm(qx, qw.t(), scale_a=sx[:, None], scale_b=sw[None], out_dtype=torch.bfloat16,
-                         use_fast_accum=True)
-        torch._scaled_mm(qg, qw_t.t(), scale_a=sg[:, None], scale_b=ones[None], out_dtype=torch.bfloat16,
-                         use_fast_accum=True)
+    def products(fast_accumulation: bool = False):
+        kernels.scaled_matmul(qx, sx, qw, sw, torch.bfloat16, fast_accumulation)
+        kernels.scaled_matmul(qg, sg, qw_t, ones, torch.bfloat16, fast_accumulation)
 
     times = {"bf16": timed(bf16), "fp8": timed(ours), "fp8 eager": timed(eager), "fp8 products": timed(products),
-             "fp8 products fast accumulation": timed(products_fast_accumulation),
+             "fp8 products fast accumulation": timed(lambda: products(True)),
              "fp8 quantize x": timed(lambda: kernels.quantize_rows(x)),
              "fp8 quantize g": timed(lambda: kernels.quantize_rows(grad, sw)),
              "fp8 transpose w": timed(lambda: kernels.transpose(qw)),
