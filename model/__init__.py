@@ -1,6 +1,6 @@
 """Our Llama-3/3.1 implementation; parameter names equal transformers' LlamaForCausalLM."""
-from model.config import LlamaConfig
-from model.hf_checkpoint import HFCheckpointError, unwrap_llama
-from model.llama import Llama
+from model.config import DecoderConfig
+from model.hf_checkpoint import HFCheckpointError, unwrap_model
+from model.decoder import CausalLM
 
-__all__ = ["Llama", "LlamaConfig", "HFCheckpointError", "unwrap_llama"]
+__all__ = ["CausalLM", "DecoderConfig", "HFCheckpointError", "unwrap_model"]

@@ -22,7 +22,7 @@ ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
 
 
 @dataclass
-class LlamaConfig:
+class DecoderConfig:
     vocab_size: int = 128256
     hidden_size: int = 4096
     intermediate_size: int = 14336
@@ -53,7 +53,7 @@ class LlamaConfig:
         return self.rope_scaling["rope_type"] if self.rope_scaling else "default"
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "LlamaConfig":
+    def from_dict(cls, values: dict[str, Any]) -> "DecoderConfig":
         """Build from an HF config.json dict (v4 `rope_scaling` or v5 `rope_parameters`) or our own fields."""
         values = dict(values)
         if values.get("attention_bias") or values.get("mlp_bias"):

@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 import kernels
 from kernels.rows import as_rows
-from model.hf_checkpoint import unwrap_llama
+from model.hf_checkpoint import unwrap_model
 
 # The decoder projections that run in FP8, with the groups that read one input.
 SHARED_INPUTS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
@@ -152,7 +152,7 @@ def quantize_frozen_base(model: nn.Module) -> int:
     """Replace every decoder projection of `model` (the nn.Linear, under peft's LoRA wrapper if any) by an
     Fp8Linear, freeing the bf16 weights; returns how many. The base must be frozen: nothing trains it after."""
     count = 0
-    for layer in unwrap_llama(model).model.layers:
+    for layer in unwrap_model(model).model.layers:
         for block_name, names in SHARED_INPUTS:
             block = getattr(layer, block_name)
             shared = SharedQuantizedInput(readers=len(names))

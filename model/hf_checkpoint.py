@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.config import ORIGINAL_CONTEXT_TYPES, LlamaConfig
+from model.config import ORIGINAL_CONTEXT_TYPES, DecoderConfig
 from model.rope import check_rope
 from storage.atomic import atomic_directory
 
@@ -38,7 +38,7 @@ def read_json(file: Path) -> dict:
         raise HFCheckpointError(f"{file} is not valid JSON: {error}") from error
 
 
-def read_config(path: Path, overrides: dict | None = None) -> LlamaConfig:
+def read_config(path: Path, overrides: dict | None = None) -> DecoderConfig:
     """The architecture of the checkpoint at `path`, with `overrides` (ROPE_OVERRIDE_KEYS, None: the
     checkpoint's) applied."""
     config_file = path / "config.json"
@@ -49,12 +49,12 @@ def read_config(path: Path, overrides: dict | None = None) -> LlamaConfig:
     if values.get("model_type", "llama") != "llama":
         raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
     try:
-        return with_overrides(LlamaConfig.from_dict(values), overrides or {})
+        return with_overrides(DecoderConfig.from_dict(values), overrides or {})
     except ValueError as error:
         raise HFCheckpointError(f"{config_file}: {error}") from None
 
 
-def with_overrides(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
+def with_overrides(cfg: DecoderConfig, overrides: dict) -> DecoderConfig:
     """`cfg` with the rope keys of `overrides` that are not None, checked (check_rope). A new scaling without
     original_max_position_embeddings extends `cfg`'s context (transformers would take the new
     max_position_embeddings instead)."""
@@ -114,7 +114,7 @@ def read_shard(file: Path, expected: dict, tied: bool, dtype: torch.dtype,
 
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str,
                     overrides: dict | None = None):
-    """A `cls` (our Llama) with the weights at `path` and its architecture (read_config)."""
+    """A `cls` (our CausalLM) with the weights at `path` and its architecture (read_config)."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise HFCheckpointError(f"model path {str(path)!r} is not a directory: give model.path=<local HF "
@@ -146,8 +146,8 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def unwrap_llama(model: torch.nn.Module) -> torch.nn.Module:
-    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> Llama)."""
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> CausalLM)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -155,7 +155,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our Llama's weights under Hugging Face names, without a tied head (safetensors stores each tensor
     once). For a peft model: the frozen base, without the adapters."""
     lora = is_lora(model)
-    llama = unwrap_llama(model)
+    llama = unwrap_model(model)
     weights = {}
     for name, tensor in llama.state_dict().items():
         if lora and "lora_" in name:

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from model.config import LlamaConfig
+from model.config import DecoderConfig
 
 
 # What transformers' rope initialisation reads of a Llama config.
@@ -31,12 +31,12 @@ def _hf_config(values_json: str):
     return HFLlamaConfig(**json.loads(values_json))
 
 
-def hf_config(cfg: LlamaConfig):
+def hf_config(cfg: DecoderConfig):
     """transformers' LlamaConfig of `cfg`'s rope (cached: the tables are built every forward)."""
     return _hf_config(json.dumps({key: getattr(cfg, key) for key in ROPE_INPUTS}, sort_keys=True))
 
 
-def default_frequencies(cfg: LlamaConfig, device: torch.device | str | None) -> torch.Tensor:
+def default_frequencies(cfg: DecoderConfig, device: torch.device | str | None) -> torch.Tensor:
     """Unscaled RoPE: the formula of transformers' LlamaRotaryEmbedding.compute_default_rope_parameters (a
     method whose signature changed between transformers 5.17 and 5.24, hence not called), computed on
     `device` in fp32 so that positions far into the context rotate as in transformers."""
@@ -44,7 +44,7 @@ def default_frequencies(cfg: LlamaConfig, device: torch.device | str | None) -> 
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
 
 
-def rope_frequencies(cfg: LlamaConfig, length: int | None = None,
+def rope_frequencies(cfg: DecoderConfig, length: int | None = None,
                      device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2] fp32, attention factor) of `cfg`'s rope for sequences of `length`
     tokens (read by dynamic and longrope only)."""
@@ -58,7 +58,7 @@ def rope_frequencies(cfg: LlamaConfig, length: int | None = None,
     return inv_freq.to(device=device, dtype=torch.float32), float(attention_factor)
 
 
-def rope_tables(cfg: LlamaConfig, position_ids: torch.Tensor, dtype: torch.dtype,
+def rope_tables(cfg: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype,
                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [B, S, 1, head_dim] of `position_ids` [B, S], the attention factor applied, as the fused
     RoPE kernel takes them. `length`: the sequence length dynamic and longrope scale for (default: S)."""
@@ -71,7 +71,7 @@ def rope_tables(cfg: LlamaConfig, position_ids: torch.Tensor, dtype: torch.dtype
     return cos.to(dtype), sin.to(dtype)
 
 
-def check_rope(cfg: LlamaConfig) -> None:
+def check_rope(cfg: DecoderConfig) -> None:
     """ValueError naming what `cfg.rope_scaling` lacks or has wrong, by computing its frequencies once."""
     if cfg.rope_type == "default":
         return

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import cudnn_attention
-from model.config import LlamaConfig
+from model.config import DecoderConfig
 from offload.units import GIB
 
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
@@ -93,7 +93,7 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
-def projection_shapes(arch: LlamaConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(arch: DecoderConfig) -> dict[str, tuple[int, int]]:
     """(input, output) width of each of a decoder layer's projections."""
     d, heads_dim, kv_dim = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
         arch.num_key_value_heads * arch.head_dim
@@ -102,7 +102,7 @@ def projection_shapes(arch: LlamaConfig) -> dict[str, tuple[int, int]]:
             "down_proj": (arch.intermediate_size, d)}
 
 
-def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
+def parameter_counts(arch: DecoderConfig, train_cfg) -> tuple[int, int]:
     """(all parameters, trainable parameters) of the model as the trainer builds it."""
     d = arch.hidden_size
     embeddings = arch.vocab_size * d * (1 if arch.tie_word_embeddings else 2)
@@ -113,12 +113,12 @@ def parameter_counts(arch: LlamaConfig, train_cfg) -> tuple[int, int]:
     return total + lora, lora
 
 
-def layer_parameters(arch: LlamaConfig) -> int:
+def layer_parameters(arch: DecoderConfig) -> int:
     """One decoder layer's parameters: its projections and two norms."""
     return sum(i * o for i, o in projection_shapes(arch).values()) + 2 * arch.hidden_size
 
 
-def _adapter_parameters(arch: LlamaConfig, train_cfg, names: Iterable[str]) -> int:
+def _adapter_parameters(arch: DecoderConfig, train_cfg, names: Iterable[str]) -> int:
     """LoRA parameters of one layer's adapters on the projections in `names`."""
     shapes = projection_shapes(arch)
     return sum(train_cfg.lora_r * sum(shapes[name]) for name in names if name in train_cfg.lora_target_modules)
@@ -129,7 +129,7 @@ def fp8_base(train_cfg) -> bool:
     return getattr(train_cfg, "fp8", False) and train_cfg.mode == "lora"
 
 
-def frozen_weight_bytes(arch: LlamaConfig, train_cfg, frozen: int, weight_bytes: int) -> int:
+def frozen_weight_bytes(arch: DecoderConfig, train_cfg, frozen: int, weight_bytes: int) -> int:
     """The frozen weights' bytes: `weight_bytes` per weight, or with an FP8 base one byte per decoder
     projection weight and an fp32 scale per projection row."""
     if not fp8_base(train_cfg):
@@ -140,7 +140,7 @@ def frozen_weight_bytes(arch: LlamaConfig, train_cfg, frozen: int, weight_bytes:
     return (frozen - projections) * weight_bytes + projections + 4 * rows
 
 
-def fp8_transient_bytes(arch: LlamaConfig, tokens: int, tile_tokens: int) -> int:
+def fp8_transient_bytes(arch: DecoderConfig, tokens: int, tile_tokens: int) -> int:
     """What FP8 products (train.fp8) add to a layer's backward, one byte an element: the quantized input that
     q, k and v share while they are recomputed, the widest quantized gradient (an attention projection's over
     every token, or an MLP tile's) with fp32 row scales, and the transposed weight its product reads."""
@@ -153,7 +153,7 @@ def fp8_transient_bytes(arch: LlamaConfig, tokens: int, tile_tokens: int) -> int
 @dataclass
 class Shape:
     """Sizes the byte model needs."""
-    arch: LlamaConfig
+    arch: DecoderConfig
     tokens: int
     act_bytes: int          # bytes per activation element (bf16 under autocast with a bf16 base)
 

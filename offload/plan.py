@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionRoute
-from model.config import LlamaConfig
+from model.config import DecoderConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
                                 eval_forward_bytes, fp8_base, fp8_transient_bytes, frozen_weight_bytes,
                                 full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
@@ -135,7 +135,7 @@ def mlp_tiles(tokens: int, memory_cfg) -> int:
     return max(1, math.ceil(tokens / memory_cfg.mlp_tile_tokens))
 
 
-def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
+def plan_memory(arch: DecoderConfig, train_cfg, memory_cfg, seq_len: int, batch_size: int,
                 device: torch.device, capacity: Capacity | None = None, with_advice: bool = True,
                 attention_routes: tuple[AttentionRoute, ...] = (AttentionRoute(),), ranks: Ranks = Ranks(),
                 micro_batches: int = 1) -> MemoryPlan:
@@ -159,7 +159,7 @@ def plan_memory(arch: LlamaConfig, train_cfg, memory_cfg, seq_len: int, batch_si
     return plan
 
 
-def _plan_layout(arch: LlamaConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
+def _plan_layout(arch: DecoderConfig, train_cfg, memory_cfg, tokens: int, device: torch.device, capacity: Capacity,
                  full_state: str | None, attention_route: AttentionRoute, ranks: Ranks,
                  micro_batches: int) -> MemoryPlan:
     attention_kernel = attention_route.plan_kernel
@@ -232,7 +232,7 @@ def _embedding_looked_up_again(train_cfg, sharded: bool) -> bool:
     return not (adapted or sharded)
 
 
-def gathered_bytes(arch: LlamaConfig, weight_bytes: int, gradients: bool = True) -> int:
+def gathered_bytes(arch: DecoderConfig, weight_bytes: int, gradients: bool = True) -> int:
     """FSDP2 (trainer.sharding) at its widest: the root's embeddings and head, gathered from the forward to
     the backward, and two layers' weights (one in use, the next prefetched), each (`gradients`) with an
     unsharded gradient before its reduce-scatter."""

@@ -1,6 +1,6 @@
 """The memory policy: per-layer checkpointing with offloaded layer inputs, and sequence-tiled MLPs.
 
-`apply_memory_policy(model, placements, mlp_tiles, device)` replaces `LlamaModel.run_layer` on the instance
+`apply_memory_policy(model, placements, mlp_tiles, device)` replaces `Decoder.run_layer` on the instance
 (the model code knows nothing of this) and the MLPs' `forward`. Per checkpointed decoder layer, only its
 input survives the forward; it is kept on the GPU, copied to pinned host memory on a side stream while the
 next layer computes, or not kept at all and recomputed from the previous layer's input (`Placement` "gpu" /
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kernels.attention.attention_tape import AttentionTape
-from model import unwrap_llama
+from model import unwrap_model
 from model.fp8 import Fp8Linear
 from offload.byte_model import Shape
 from offload.engine import CopyEngine
@@ -193,7 +193,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
 
 
 class MemoryPolicy:
-    """Installed on a LlamaModel by `apply_memory_policy`; `stats()` gives per-step offload metrics."""
+    """Installed on a Decoder by `apply_memory_policy`; `stats()` gives per-step offload metrics."""
 
     def __init__(self, decoder: nn.Module, placements: list[str] | None, mlp_tiles: int, device: torch.device,
                  attention: list[str] | None = None):
@@ -295,5 +295,5 @@ def apply_memory_policy(model: nn.Module, placements: list[str] | None, mlp_tile
     """Install checkpointing (placements per layer, None = off), kept attention outputs (per layer, None =
     none) and MLP tiling (tiles > 1) on `model`. Placements are members of offload.store's Placement and
     AttentionPlacement, or their strings."""
-    decoder = unwrap_llama(model).model        # the LlamaModel inside a Llama, possibly wrapped by peft
+    decoder = unwrap_model(model).model        # the Decoder inside a CausalLM, possibly wrapped by peft
     return MemoryPolicy(decoder, placements, mlp_tiles, device, attention).install()

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402
 from kernels import reference  # noqa: E402
-from model.config import LlamaConfig  # noqa: E402
+from model.config import DecoderConfig  # noqa: E402
 from model.fp8 import Fp8Linear, quantize_frozen_base  # noqa: E402
-from model.llama import DecoderLayer, Llama  # noqa: E402
+from model.decoder import DecoderLayer, CausalLM  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
@@ -149,7 +149,7 @@ def layer_errors(tokens: int, sharpen: float) -> dict[str, float]:
     output and input-gradient errors."""
     torch.manual_seed(0)
     device = torch.device("cuda")
-    cfg = LlamaConfig.from_dict(LLAMA3_8B)
+    cfg = DecoderConfig.from_dict(LLAMA3_8B)
     layer = DecoderLayer(cfg).to(device)
     for name, parameter in layer.named_parameters():
         if parameter.dim() == 2:
@@ -158,7 +158,7 @@ def layer_errors(tokens: int, sharpen: float) -> dict[str, float]:
     with torch.no_grad():       # sharper attention than random weights give
         layer.self_attn.q_proj.weight.mul_(sharpen)
         layer.self_attn.k_proj.weight.mul_(sharpen)
-    rope_model = Llama.from_config(dict(LLAMA3_8B, vocab_size=16), device=device).model
+    rope_model = CausalLM.from_config(dict(LLAMA3_8B, vocab_size=16), device=device).model
     positions = torch.arange(tokens, device=device)[None]
     hidden = torch.randn(1, tokens, cfg.hidden_size, device=device)
     grad = torch.randn(1, tokens, cfg.hidden_size, device=device)

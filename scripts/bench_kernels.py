@@ -31,7 +31,7 @@ from kernels.linear_cross_entropy_triton import (DEFAULT_MEMORY_BUDGET, cross_en
 from kernels.rms_norm_triton import rms_norm  # noqa: E402
 from kernels.rope_triton import rope  # noqa: E402
 from kernels.swiglu_triton import swiglu  # noqa: E402
-from model.config import LlamaConfig  # noqa: E402
+from model.config import DecoderConfig  # noqa: E402
 from model.rope import rope_tables  # noqa: E402
 from offload.units import GIB  # noqa: E402
 
@@ -101,7 +101,7 @@ def torch_rope(q, k, cos, sin):
 def bench_rope_swiglu(skip_liger: bool) -> None:
     tokens, q_heads, kv_heads, head_dim, intermediate = 32768, 32, 8, 128, 14336
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    cfg = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    cfg = DecoderConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cos, sin = rope_tables(cfg, torch.arange(tokens, device="cuda")[None], torch.bfloat16)
     q = torch.randn(1, tokens, q_heads, head_dim, **bf16, requires_grad=True)

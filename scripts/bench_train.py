@@ -80,7 +80,7 @@ def build_ours(cfg):
     """The trainer's model (memory policy included), its optimizer and a step function."""
     import kernels
     from conf.validate import validate
-    from model import unwrap_llama
+    from model import unwrap_model
     from data import Batch
     from trainer.build import build_model, checked_plan
     from trainer.distributed import World
@@ -94,7 +94,7 @@ def build_ours(cfg):
     built = build_model(cfg, device, checked_plan(cfg, device))
     model, plan = built.model, built.plan
     optimizer = build_optimizer(model, cfg.optim, plan.full_state)
-    lm = unwrap_llama(model)
+    lm = unwrap_model(model)
 
     def step(input_ids, labels):
         optimizer.zero_grad(set_to_none=True)
@@ -130,10 +130,10 @@ def build_peer():
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
-    from model import LlamaConfig
+    from model import DecoderConfig
 
     apply_liger_kernel_to_llama()
-    arch = LlamaConfig()         # the Llama-3-8B defaults
+    arch = DecoderConfig()         # the Llama-3-8B defaults
     hf_config = HFLlamaConfig(**{k: v for k, v in arch.to_hf_dict().items() if k != "architectures"})
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(hf_config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")

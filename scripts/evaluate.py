@@ -8,7 +8,7 @@ position and passkey retrieval, on a GPU or the CPU.
 
 A training checkpoint is evaluated with its run's config (seq_len, batch_size, data, eval.*; LoRA adapters
 merged into their base, as scripts/export.py does); a model directory (an export, or any local Hugging Face
-Llama: model.path) with the config's defaults and model.path=<dir>; with neither, the model group's random
+CausalLM: model.path) with the config's defaults and model.path=<dir>; with neither, the model group's random
 init (for timing). Overrides are the trainer's Hydra settings on top: seq_len, device=cpu|cuda, eval.sequences,
 eval.path / eval.fraction (held-out files; data=recall needs none), eval.passkey.* (the passkey probe needs
 model.path's tokenizer; eval=thorough, with a model directory, for a denser heatmap), and the model's RoPE
@@ -43,7 +43,7 @@ from conf.schema import JobConfig, register_configs  # noqa: E402
 from conf.schema.job import resolve_device  # noqa: E402
 from conf.validate import ConfigError, check_known_keys, validate  # noqa: E402
 from data import DataError  # noqa: E402
-from model import Llama  # noqa: E402
+from model import CausalLM  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from offload.plan import mlp_tiles  # noqa: E402
 from offload.policy import apply_memory_policy  # noqa: E402
@@ -94,7 +94,7 @@ def checkpoint_weights(checkpoint: Path, cfg) -> dict[str, torch.Tensor]:
     return full_model(checkpoint, cfg)[0]
 
 
-def load_weights(model: Llama, weights: dict[str, torch.Tensor], checkpoint: Path) -> None:
+def load_weights(model: CausalLM, weights: dict[str, torch.Tensor], checkpoint: Path) -> None:
     """Load a checkpoint's weights into `model`, every one of its tensors and nothing else (the output layer
     may be left out when it is tied to the embeddings); ExportError naming the first mismatch otherwise."""
     result = model.load_state_dict(weights, strict=False)
@@ -108,20 +108,20 @@ def load_weights(model: Llama, weights: dict[str, torch.Tensor], checkpoint: Pat
     model.tie_weights()
 
 
-def load_model(source: Path | None, cfg, device: torch.device) -> Llama:
+def load_model(source: Path | None, cfg, device: torch.device) -> CausalLM:
     """The model on `device` (bf16 on a GPU, fp32 on the CPU) with the architecture training builds
     (trainer.architecture.model_architecture: model.path's or the model group's, the rope settings applied), its RoPE
     computed for seq_len and its MLP tiled as training tiles it."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     arch = model_architecture(cfg)
     if source is not None and is_checkpoint(source):
-        model = Llama.from_config(arch)
+        model = CausalLM.from_config(arch)
         load_weights(model, checkpoint_weights(source, cfg), source)
         model = model.to(device=device, dtype=dtype)
     elif cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
+        model = CausalLM.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
     else:
-        model = Llama.from_config(arch, dtype=dtype, device=device)
+        model = CausalLM.from_config(arch, dtype=dtype, device=device)
     model.train_rope_at(cfg.seq_len)
     apply_memory_policy(model, None, mlp_tiles(cfg.seq_len * cfg.batch_size, cfg.memory), device)
     return model

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from model import Llama  # noqa: E402
+from model import CausalLM  # noqa: E402
 from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files  # noqa: E402
 from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
 from conf.errors import ConfigError  # noqa: E402
@@ -74,7 +74,7 @@ def merged_lora(checkpoint: Path, base_dir: Path, cfg) -> tuple[dict[str, torch.
     """(weights, config.json, stored dtype) of the base with the adapter merged in, computed in fp32. The base
     is loaded with the run's rope (model_architecture), so that an adapter trained on a changed rope is never
     merged onto model.path's old one, whether or not the run's base_model/ is there."""
-    base = Llama.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu",
+    base = CausalLM.from_pretrained(str(base_dir), dtype=torch.float32, device="cpu",
                                  overrides=rope_overrides(model_architecture(cfg)))
     merged = load_adapter(base, checkpoint / ADAPTER_DIR).merge_and_unload()
     return full_weights(merged), merged.config.to_hf_dict(), stored_dtype(weight_files(base_dir)[0])

@@ -1,4 +1,4 @@
-"""Shared by the data tests: a WordLevel tokenizer trained here on a few sentences, a tiny random Llama
+"""Shared by the data tests: a WordLevel tokenizer trained here on a few sentences, a tiny random CausalLM
 checkpoint (both written to a temporary directory in Hugging Face format), and small record files."""
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from conf.schema import DataConfig
 from data import IGNORE_INDEX
-from model import Llama
+from model import CausalLM
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "hello friend see you bye",
              "be brief hi there", "<|system|> <|user|> <|assistant|> [assistant] [user]"]
@@ -39,7 +39,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny random Llama with the test tokenizer: a complete model.path directory."""
     directory = tmp_path_factory.mktemp("tiny_checkpoint")
     save_tokenizer(directory)
-    model = Llama.from_config(TINY_ARCH)
+    model = CausalLM.from_config(TINY_ARCH)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     save_file({name: t.contiguous() for name, t in model.state_dict().items()}, str(directory / "model.safetensors"))
     return directory

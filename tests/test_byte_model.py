@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from offload.byte_model import Shape, full_layer_bytes, projection_shapes
 from offload.policy import apply_memory_policy
 from trainer.build import apply_lora, lora_model
@@ -53,7 +53,7 @@ def measured_layer(build, tiles: int, dtype: torch.dtype) -> int:
     kernels.set_backend("triton")
     try:
         torch.manual_seed(0)
-        return kept_bytes(build(Llama.from_config(LlamaConfig(**SHAPE), dtype=dtype)), tiles, dtype)
+        return kept_bytes(build(CausalLM.from_config(DecoderConfig(**SHAPE), dtype=dtype)), tiles, dtype)
     finally:
         kernels.set_backend("auto")
 
@@ -70,7 +70,7 @@ def test_full_layer_bytes_equal_what_autograd_keeps(mode, dropout, targets, tile
     train = lora_config(dropout, targets) if mode == "lora" else SimpleNamespace(mode="full")
     measured = measured_layer(lambda model: apply_lora(model, train) if mode == "lora" else model, tiles,
                               torch.float32)
-    assert measured == full_layer_bytes(Shape(LlamaConfig(**SHAPE), TOKENS, 4), train, tiles > 1, "cpu")
+    assert measured == full_layer_bytes(Shape(DecoderConfig(**SHAPE), TOKENS, 4), train, tiles > 1, "cpu")
 
 
 @conftest_kernels.needs_interpreter
@@ -83,11 +83,11 @@ def test_full_layer_bytes_equal_what_autograd_keeps_as_the_trainer_runs_lora_on_
     peft would make without keep_adapter_inputs_in_bf16 would fail this."""
     train = lora_config(dropout, targets)
     measured = measured_layer(lambda model: lora_model(model, train), tiles, torch.bfloat16)
-    assert measured == full_layer_bytes(Shape(LlamaConfig(**SHAPE), TOKENS, 2), train, tiles > 1, "cpu")
+    assert measured == full_layer_bytes(Shape(DecoderConfig(**SHAPE), TOKENS, 2), train, tiles > 1, "cpu")
 
 
 def test_a_full_llama3_8b_lora_layer_keeps_six_and_a_half_activations():
-    shape = Shape(LlamaConfig(), 32768, 2)
+    shape = Shape(DecoderConfig(), 32768, 2)
     lora = SimpleNamespace(mode="lora", lora_r=16, lora_dropout=0.0, lora_target_modules=ALL_SEVEN)
     small = 32768 * (4 * (2 + 32) + 8 + 4 * 16 * 2)          # rstds, lse, document bounds, four adapters' [r]
     attention = projection_shapes(shape.arch)

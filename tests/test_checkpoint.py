@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 import trainer.checkpoint.disk_space
 from tests.jobs_support import (REPO, checkpoint_weights, job_config, records, single_torch_thread,  # noqa: F401
                                 train_process)
-from model import Llama
+from model import CausalLM
 from storage.atomic import atomic_directory
 from trainer.architecture import architecture
 from trainer.checkpoint.format import CheckpointError, load_adapter, marker_problem
@@ -36,7 +36,7 @@ def test_lora_checkpoint_holds_everything_needed_to_continue(tmp_path):
     assert torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
 
     cfg = job_config(tmp_path)
-    adapted = load_adapter(Llama.from_config(architecture(cfg.model)), checkpoint / "adapter")
+    adapted = load_adapter(CausalLM.from_config(architecture(cfg.model)), checkpoint / "adapter")
     saved = checkpoint_weights(checkpoint)
     loaded = {name: p for name, p in adapted.named_parameters() if "lora_" in name}
     assert len(loaded) == len(saved) > 0

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from conf.validate import ConfigError, validate
-from model import Llama
+from model import CausalLM
 from scripts.export import export
 from tests.data_support import checkpoint, text_file  # noqa: F401  (fixtures)
 from tests.jobs_support import FAST, REPO, job_config, single_torch_thread, train_process  # noqa: F401
@@ -51,9 +51,9 @@ def short_base(tmp_path_factory):
 
 
 def logits(model) -> torch.Tensor:
-    from model import unwrap_llama
+    from model import unwrap_model
     with torch.no_grad():
-        return model(TOKENS) @ unwrap_llama(model).lm_head.weight.t()
+        return model(TOKENS) @ unwrap_model(model).lm_head.weight.t()
 
 
 def hf_logits(model) -> torch.Tensor:
@@ -97,8 +97,8 @@ def test_a_rope_override_is_built_recorded_and_exported(extended_run, short_base
     base = adapter_config["base_model_name_or_path"]
     assert json.loads((run / "base_model" / "config.json").read_text())["rope_scaling"] == yarn
     assert base == str((run / "base_model").resolve())
-    ours = logits(load_adapter(Llama.from_pretrained(base, dtype=torch.float32), step / ADAPTER_DIR))
-    on_old_rope = logits(load_adapter(Llama.from_pretrained(short_base, dtype=torch.float32), step / ADAPTER_DIR))
+    ours = logits(load_adapter(CausalLM.from_pretrained(base, dtype=torch.float32), step / ADAPTER_DIR))
+    on_old_rope = logits(load_adapter(CausalLM.from_pretrained(short_base, dtype=torch.float32), step / ADAPTER_DIR))
     assert (ours - on_old_rope).abs().max() > 1e-2
     peft = AutoPeftModelForCausalLM.from_pretrained(str(step / ADAPTER_DIR), dtype=torch.float32)
     torch.testing.assert_close(hf_logits(peft), ours, rtol=1e-4, atol=1e-4)
@@ -146,8 +146,8 @@ def test_a_run_that_recorded_its_model_group_still_resumes(short_base):
 
 
 def test_an_override_changes_the_model_and_other_architecture_keys_are_refused(short_base):
-    plain = Llama.from_pretrained(short_base, dtype=torch.float32)
-    longer = Llama.from_pretrained(short_base, dtype=torch.float32, overrides={"rope_theta": 40000.0})
+    plain = CausalLM.from_pretrained(short_base, dtype=torch.float32)
+    longer = CausalLM.from_pretrained(short_base, dtype=torch.float32, overrides={"rope_theta": 40000.0})
     assert (logits(plain) - logits(longer)).abs().max() > 1e-2
     cfg = job_config(REPO / "unused", f"model.path={short_base}", "model.hidden_size=64")
     validate(cfg)
@@ -211,8 +211,8 @@ def test_the_default_rope_given_over_a_scaled_checkpoint_is_built(linear_base, s
     device = torch.device("cpu")
     built = build_model(cfg, device, checked_plan(cfg, device)).model.float()
     assert built.config.rope_scaling is None
-    default = Llama.from_pretrained(short_base, dtype=torch.float32)
-    scaled = Llama.from_pretrained(linear_base, dtype=torch.float32)
+    default = CausalLM.from_pretrained(short_base, dtype=torch.float32)
+    scaled = CausalLM.from_pretrained(linear_base, dtype=torch.float32)
     assert (logits(default) - logits(scaled)).abs().max() > 1e-2
     torch.testing.assert_close(logits(built), logits(default))
 

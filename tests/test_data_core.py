@@ -7,7 +7,7 @@ import torch
 from data import IGNORE_INDEX, DataError
 from data.packing import assemble_batch, pack_rows, plan_pieces, shifted_labels
 from data.tokenize import tokenize_chat, tokenize_texts
-from model import Llama
+from model import CausalLM
 from tests.data_support import CHAT, TEXTS, TINY_ARCH, checkpoint, save_tokenizer, tokenizer, tokens  # noqa: F401
 
 
@@ -51,7 +51,7 @@ def test_packed_batch_boundaries_positions_and_labels():
 def test_packed_documents_do_not_attend_across(tokenizer):
     """Hidden states of a packed batch equal those of each document run alone."""
     torch.manual_seed(0)
-    model = Llama.from_config(TINY_ARCH).eval()
+    model = CausalLM.from_config(TINY_ARCH).eval()
     documents = [tokenize_texts([text], tokenizer, 2, 3)[0] for text in TEXTS[:4]]
     rows = [documents[:2], documents[2:]]
     batch = assemble_batch(rows, seq_len=20, pad_id=1, packed=True)

@@ -28,7 +28,7 @@ from data import IGNORE_INDEX  # noqa: E402
 from data.held_out import held_out_data, split_documents  # noqa: E402
 from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid  # noqa: E402
 from kernels.attention import choose_route  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from model import CausalLM, DecoderConfig  # noqa: E402
 from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: E402, F401
 from trainer.build import install_attention_route  # noqa: E402
@@ -62,7 +62,7 @@ class Induction(nn.Module):
 
     def __init__(self, vocab: int):
         super().__init__()
-        self.config = LlamaConfig(**{**TINY, "vocab_size": vocab})
+        self.config = DecoderConfig(**{**TINY, "vocab_size": vocab})
         self.lm_head = nn.Linear(vocab, vocab, bias=False)
         nn.init.eye_(self.lm_head.weight)
 
@@ -78,9 +78,9 @@ class Induction(nn.Module):
         return hidden
 
 
-def tiny_model(seed: int = 0) -> Llama:
+def tiny_model(seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
-    return Llama.from_config(LlamaConfig(**TINY))
+    return CausalLM.from_config(DecoderConfig(**TINY))
 
 
 def test_position_buckets_are_powers_of_two_up_to_seq_len():
@@ -129,7 +129,7 @@ def test_passkey_is_at_chance_for_a_random_model_and_exact_for_one_that_finds_th
     assert grid.lengths == [128, 256] and grid.depths == [0.0, 0.5, 1.0] and grid.cell_count == 12
     assert sorted(set(torch.cat([c.flatten() for c in grid.cells]).tolist())) == list(range(-1, 12))
     vocab = len(tokenizer)
-    random_model = Llama.from_config(LlamaConfig(**{**TINY, "vocab_size": vocab}))
+    random_model = CausalLM.from_config(DecoderConfig(**{**TINY, "vocab_size": vocab}))
     chance = Evaluator(random_model, torch.device("cpu"), World.single(), 256, [], grid).evaluate()
     finder = Evaluator(Induction(vocab), torch.device("cpu"), World.single(), 256, [], grid).evaluate()
     assert chance["eval/passkey/accuracy"] == 0.0
@@ -278,7 +278,7 @@ def _sequence_parallel_worker(rank: int, init_file: str, failures, directory: st
         grid = passkey_grid(tokenizer, 256, 1, lengths=2, depths=2, trials=1)
         batches = held_out_data(RECALL, None, 0.0, 256, 2, 0, len(tokenizer), None, 1).batches
         torch.manual_seed(0)
-        model = Llama.from_config(LlamaConfig(**{**TINY, "vocab_size": max(len(tokenizer), 96)}))
+        model = CausalLM.from_config(DecoderConfig(**{**TINY, "vocab_size": max(len(tokenizer), 96)}))
         with torch.no_grad():
             model.lm_head.weight.mul_(40)      # a random model whose passkey answers are not all wrong
         expected = Evaluator(model, torch.device("cpu"), World.single(), 256, batches, grid).evaluate()
@@ -329,7 +329,7 @@ def test_evaluate_script_says_how_and_evaluates_a_checkpoint(tmp_path):
 
     model_dir = tmp_path / "model"           # a Hugging Face directory with a tokenizer: the passkey probe too
     tokenizer = passkey_tokenizer(model_dir)
-    model = Llama.from_config(LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)}))
+    model = CausalLM.from_config(DecoderConfig(**{**TINY, "vocab_size": len(tokenizer)}))
     from safetensors.torch import save_file
     (model_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     save_file({name: t.contiguous() for name, t in model.state_dict().items()}, str(model_dir / "model.safetensors"))

@@ -13,12 +13,12 @@ import torch
 
 from tests.data_support import save_tokenizer
 from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
-from model import Llama
+from model import CausalLM
 from scripts.export import ExportError, export
 from storage.checksum import file_checksum
 from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
 from trainer.loop import train
-from model import unwrap_llama
+from model import unwrap_model
 
 TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
 # A high learning rate so a few steps move the adapters visibly away from the base.
@@ -31,7 +31,7 @@ COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config
 
 def our_logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return model(TOKENS) @ unwrap_llama(model).lm_head.weight.t()
+        return model(TOKENS) @ unwrap_model(model).lm_head.weight.t()
 
 
 def hf_logits(directory) -> torch.Tensor:
@@ -42,7 +42,7 @@ def hf_logits(directory) -> torch.Tensor:
 
 
 def trained_lora(base_dir, checkpoint) -> torch.nn.Module:
-    return load_adapter(Llama.from_pretrained(str(base_dir), dtype=torch.float32), checkpoint / ADAPTER_DIR)
+    return load_adapter(CausalLM.from_pretrained(str(base_dir), dtype=torch.float32), checkpoint / ADAPTER_DIR)
 
 
 def auto_peft_logits(checkpoint) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_lora_on_a_random_init_merges_into_the_kept_base(tmp_path):
 def test_full_fine_tuning_exports_the_trained_weights(tmp_path):
     train(job_config(tmp_path / "run", "train=full", *TRAIN))
     export(tmp_path / "run" / "checkpoints" / "step-3", tmp_path / "hf")
-    ours = Llama.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    ours = CausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "run" / "checkpoints" / "step-3" / "model.safetensors")
     assert all(torch.equal(ours.state_dict()[name], tensor) for name, tensor in saved.items())

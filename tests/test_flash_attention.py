@@ -334,7 +334,7 @@ def test_runs_after_kernels_and_model_were_imported():
     """The suite's order: other test modules import kernels and the model (no Triton yet) before this one."""
     tests_dir = os.path.dirname(__file__)
     script = (
-        "import sys, torch, kernels, model.llama\n"
+        "import sys, torch, kernels, model.decoder\n"
         f"sys.path.insert(0, {tests_dir!r}); import conftest_kernels\n"
         "kernels.set_backend('triton')\n"
         "q = torch.randn(1, 5, 2, 64, requires_grad=True)\n"

@@ -30,7 +30,7 @@ from conf.validate import validate
 from kernels import reference
 from kernels.reference import FP8_DTYPE, FP8_MAX
 from conf.schema.memory import MemoryConfig
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from model.fp8 import Fp8Linear, SharedQuantizedInput, check_fp8_widths, quantize_frozen_base
 from model.hf_checkpoint import full_weights
 from offload.byte_model import Capacity, parameter_counts
@@ -466,7 +466,7 @@ def tiny_lora(seed=9) -> torch.nn.Module:
     """A two-layer Llama with widths that are multiples of 16 (hidden 64, heads 4 x 16, kv 2 x 16, MLP 96),
     in LoRA with its B matrices random, so that every adapter has a gradient."""
     torch.manual_seed(seed)
-    model = lora_model(Llama.from_config(dict(vocab_size=64, hidden_size=64, intermediate_size=96,
+    model = lora_model(CausalLM.from_config(dict(vocab_size=64, hidden_size=64, intermediate_size=96,
                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
                        LORA)
     with torch.no_grad():
@@ -641,7 +641,7 @@ def test_train_py_with_fp8_on_the_cpu_refuses_in_one_line_and_writes_nothing(tmp
 
 # --- 7. the planner ---
 
-LLAMA3_8B = LlamaConfig()
+LLAMA3_8B = DecoderConfig()
 H100 = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
 
 
@@ -740,7 +740,7 @@ def fp8_lora_job(hf_dir: Path, run_dir: Path, *overrides: str):
     from trainer.build import lora_base_path
     cfg = job_config(f"model.path={hf_dir}", f"output_dir={run_dir}", "seq_len=128", *overrides)
     record_architecture(cfg)
-    model = lora_model(Llama.from_pretrained(str(hf_dir), dtype=torch.bfloat16), cfg.train, lora_base_path(cfg))
+    model = lora_model(CausalLM.from_pretrained(str(hf_dir), dtype=torch.bfloat16), cfg.train, lora_base_path(cfg))
     assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
     return cfg, model
 

@@ -101,7 +101,7 @@ def test_lora_step_against_bf16():
     measured against it. FP8's loss stays within 0.1% of fp32's, and each adapter gradient's error within 12
     times bf16's own: e4m3 keeps 3 mantissa bits to bf16's 7, 16 times the rounding (measured on the H200: 9
     times, 0.22-0.42 against 0.024-0.047, through two layers' FP8 products)."""
-    from model import Llama
+    from model import CausalLM
     from model.fp8 import quantize_frozen_base
     from trainer.build import lora_model
     from trainer.step import autocast
@@ -109,7 +109,7 @@ def test_lora_step_against_bf16():
     arch = dict(vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
     train = SimpleNamespace(lora_r=16, lora_alpha=32, lora_dropout=0.0, lora_target_modules=LORA_TARGETS)
-    fp32 = lora_model(Llama.from_config(arch, dtype=torch.float32, device="cuda"), train)
+    fp32 = lora_model(CausalLM.from_config(arch, dtype=torch.float32, device="cuda"), train)
     for name, parameter in fp32.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.02)

@@ -10,7 +10,7 @@ import torch
 import kernels
 from conf.schema import DataConfig, MemoryConfig
 from data import Batch, RecallTask
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from conf.schema.memory import MemoryConfig
 from offload.byte_model import Capacity
 from offload.plan import plan_memory
@@ -38,7 +38,7 @@ def reference_kernels():
 def tiny_model(dtype=torch.float32, tiles=3, placements=None, **arch):
     """Checkpointed layers and a tiled MLP, so a layer's gradients accumulate several times per backward."""
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**{**TINY, **arch}), dtype=dtype)
+    model = CausalLM.from_config(DecoderConfig(**{**TINY, **arch}), dtype=dtype)
     apply_memory_policy(model, placements or ["gpu"] * model.config.num_hidden_layers, tiles, CPU)
     return model
 
@@ -213,13 +213,13 @@ H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
                                              (262144, "bf16_host_grads")])
 def test_planner_picks_the_largest_layout_that_fits_8b(seq_len, layout):
     train = SimpleNamespace(mode="full", full_state="auto")
-    plan = plan_memory(LlamaConfig(), train, MemoryConfig(), seq_len, 1, torch.device("cuda"), H100_HOST)
+    plan = plan_memory(DecoderConfig(), train, MemoryConfig(), seq_len, 1, torch.device("cuda"), H100_HOST)
     assert plan.fits and plan.full_state == layout
 
 
 def test_planner_fails_with_numbers_when_no_layout_fits():
     train = SimpleNamespace(mode="full", full_state="auto")
-    plan = plan_memory(LlamaConfig(), train, MemoryConfig(), 32768, 1, torch.device("cuda"),
+    plan = plan_memory(DecoderConfig(), train, MemoryConfig(), 32768, 1, torch.device("cuda"),
                        Capacity(gpu=40 * GIB, host=125 * GIB, pinnable=100 * GIB))
     assert not plan.fits and plan.full_state == "bf16_host_grads"
     assert "bf16 adam moments" in plan.failure() and "GiB" in plan.failure()

@@ -7,18 +7,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from model.lora import FusedAdapterForward, fuse_adapter_products
 from trainer.build import apply_lora
 
-CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+CFG = DecoderConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def lora_model(dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = apply_lora(Llama.from_config(CFG, dtype=torch.float32, device="cpu"),
+    model = apply_lora(CausalLM.from_config(CFG, dtype=torch.float32, device="cpu"),
                        SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=dropout, lora_target_modules=TARGETS))
     for name, param in model.named_parameters():
         if "lora_B" in name:          # peft starts B at zero, which would hide a wrong up-projection

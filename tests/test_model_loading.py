@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import HFCheckpointError, Llama
+from model import HFCheckpointError, CausalLM
 from tests.jobs_support import FAST, REPO
 
 TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -15,7 +15,7 @@ TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 
 def write_checkpoint(path, shards: int = 1, with_index: bool = True):
-    model = Llama.from_config(TINY)
+    model = CausalLM.from_config(TINY)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     names = sorted(state)
     (path / "config.json").write_text(json.dumps(TINY))
@@ -33,58 +33,58 @@ def write_checkpoint(path, shards: int = 1, with_index: bool = True):
 @pytest.mark.parametrize("shards,with_index", [(1, False), (3, True), (2, False)])
 def test_sharded_checkpoints_load_identically(tmp_path, shards, with_index):
     original = write_checkpoint(tmp_path, shards, with_index)
-    loaded = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    loaded = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     for name, tensor in original.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
 def test_dtype_is_applied(tmp_path):
     write_checkpoint(tmp_path)
-    loaded = Llama.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = CausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
 
 
 def test_missing_directory_names_the_path(tmp_path):
     with pytest.raises(HFCheckpointError, match="nowhere"):
-        Llama.from_pretrained(tmp_path / "nowhere")
+        CausalLM.from_pretrained(tmp_path / "nowhere")
 
 
 def test_missing_config(tmp_path):
     with pytest.raises(HFCheckpointError, match="no config.json"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_missing_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     with pytest.raises(HFCheckpointError, match="no \\*.safetensors"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_missing_shard_named_by_index(tmp_path):
     write_checkpoint(tmp_path, shards=2)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(HFCheckpointError, match="model-00002-of-00002.safetensors"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_missing_tensor_is_listed(tmp_path):
     write_checkpoint(tmp_path, shards=2, with_index=False)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(HFCheckpointError, match="missing .* tensors"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
     write_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "intermediate_size": 64}))
     with pytest.raises(HFCheckpointError, match="mlp.*shape"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_malformed_config_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(HFCheckpointError, match="not valid JSON"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def truncate(file):
@@ -101,14 +101,14 @@ def test_truncated_or_garbled_shard_is_named(tmp_path, damage):
     shard = tmp_path / "model-00002-of-00002.safetensors"
     damage(shard)
     with pytest.raises(HFCheckpointError, match=f"{shard}.*truncated or damaged"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_garbled_index_is_named(tmp_path):
     write_checkpoint(tmp_path, shards=2)
     (tmp_path / "model.safetensors.index.json").write_text("{\"weight_map\": ")
     with pytest.raises(HFCheckpointError, match="model.safetensors.index.json is not valid JSON"):
-        Llama.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_train_py_reports_a_damaged_shard_in_one_line(tmp_path):

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from model import Llama
+from model import CausalLM
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -39,7 +39,7 @@ def save_hf_model(tmp_path, hidden, heads, kv_heads, layers, intermediate, vocab
 @pytest.mark.parametrize("shape", SHAPES, ids=["mha", "gqa-llama3-rope", "mqa-tied"])
 def test_loss_and_gradients_match_transformers(tmp_path, shape):
     hf = save_hf_model(tmp_path, *shape)
-    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     vocab = shape[5]
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, vocab, (2, 45), generator=generator)
@@ -62,7 +62,7 @@ def test_loss_and_gradients_match_transformers(tmp_path, shape):
 def test_packed_documents_match_separate_documents():
     """Positions restart per document and no token sees another document: a pack equals its parts."""
     torch.manual_seed(0)
-    model = Llama.from_config(dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = CausalLM.from_config(dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2))
     lengths = [5, 1, 11]
     docs = [torch.randint(0, 50, (1, n)) for n in lengths]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from offload.byte_model import Shape
 from offload.engine import ALIGNMENT, CopyEngine
 from offload.placement import backward_attention_forwards
@@ -37,7 +37,7 @@ def reference_kernels():
 
 def lora_model(device="cpu", dtype=torch.float32, dropout=0.0, shape=TINY):
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**shape), dtype=dtype, device=device)
+    model = CausalLM.from_config(DecoderConfig(**shape), dtype=dtype, device=device)
     model = apply_lora(model, SimpleNamespace(**{**vars(LORA), "lora_dropout": dropout}))
     with torch.no_grad():     # LoRA B starts at zero: make every adapter matter to the loss
         for name, param in model.named_parameters():
@@ -120,7 +120,7 @@ def test_dropout_replays_the_same_masks(placements):
                          ids=["checkpointed", "with-full-layers", "embedding-trained", "embedding-tied-to-the-head"])
 def test_full_training_gradients_match(placements, tied):
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**{**TINY, "tie_word_embeddings": tied}))
+    model = CausalLM.from_config(DecoderConfig(**{**TINY, "tie_word_embeddings": tied}))
     input_ids, labels = batch()
 
     def grads():
@@ -284,11 +284,11 @@ def test_an_embedding_with_a_lora_adapter_is_kept_not_looked_up_again():
     from offload.plan import plan_memory
     adapted = SimpleNamespace(**{**vars(LORA), "lora_target_modules": ["q_proj", "embed_tokens"]})
     torch.manual_seed(0)
-    model = apply_lora(Llama.from_config(LlamaConfig(**TINY)), adapted)
+    model = apply_lora(CausalLM.from_config(DecoderConfig(**TINY)), adapted)
     with pytest.raises(ValueError, match="needs a plain nn.Embedding"):
         apply_memory_policy(model, ["embedding", "host", "host", "host"], 1, torch.device("cpu"))
     for train in (adapted, LORA):
-        planned = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(train)),
+        planned = plan_memory(DecoderConfig(**TINY), SimpleNamespace(mode="lora", **vars(train)),
                               MemoryConfig(gpu_memory_gib=80, full_layers=0), 64, 1, torch.device("cuda"))
         assert (planned.placements[0] == Placement.EMBEDDING) == (train is LORA), planned.placements
 
@@ -537,7 +537,7 @@ def test_a_full_top_layer_raises_the_peak_by_at_most_one_activation(device, seql
         if device == "cuda":        # a first step tunes the kernels (and pins the host buffers)
             loss_and_grads(model, input_ids, labels, autocast=autocast)
         else:                       # the interpreter tunes nothing; the host buffers are the step's own memory
-            policy.pin_buffers(Shape(LlamaConfig(**shape), input_ids.numel(), 4))
+            policy.pin_buffers(Shape(DecoderConfig(**shape), input_ids.numel(), 4))
         peaks[top] = peak_bytes_above_start(lambda: loss_and_grads(model, input_ids, labels, autocast=autocast),
                                             torch.device(device))
         policy.remove()
@@ -556,9 +556,9 @@ def test_lora_wraps_every_projection_and_freezes_the_base():
     assert trainable and all("lora_" in name for name in trainable)
     assert all(p.dtype == torch.float32 for name, p in model.named_parameters() if name in trainable)
     cuda = torch.device("cuda")
-    plan = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(gpu_memory_gib=80),
-                       64, 1, cuda)
+    plan = plan_memory(DecoderConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)),
+                       MemoryConfig(gpu_memory_gib=80), 64, 1, cuda)
     assert plan.weights_dtype == torch.bfloat16
-    on_cpu = plan_memory(LlamaConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(), 64, 1,
+    on_cpu = plan_memory(DecoderConfig(**TINY), SimpleNamespace(mode="lora", **vars(LORA)), MemoryConfig(), 64, 1,
                          torch.device("cpu"))
     assert on_cpu.weights_dtype == torch.float32

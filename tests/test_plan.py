@@ -11,7 +11,7 @@ import torch
 from conf.errors import ConfigError
 from conf.schema.memory import MemoryConfig, check_memory
 from kernels.attention import candidates
-from model import LlamaConfig
+from model import DecoderConfig
 from offload.byte_model import (Capacity, full_layer_bytes, loss_bytes, parameter_counts, pinned_size,
                                 top_layer_full_costs_nothing, transient_bytes)
 from offload.engine import CopyEngine
@@ -23,7 +23,7 @@ from offload.units import GIB
 
 P, A = Placement, AttentionPlacement       # short names for the plans the tests spell out
 
-LLAMA3_8B = LlamaConfig()
+LLAMA3_8B = DecoderConfig()
 LORA = SimpleNamespace(mode="lora", lora_r=16, lora_dropout=0.0, lora_target_modules=[
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
@@ -485,13 +485,13 @@ def test_trainer_fails_before_building_the_model_or_writing_the_run_dir(monkeypa
 
     from conf.schema import register_configs
     from conf.validate import ConfigError
-    from model import Llama
+    from model import CausalLM
     from trainer.loop import train
 
     def must_not_build(*args, **kwargs):
         raise AssertionError("the model was built before the memory check")
 
-    monkeypatch.setattr(Llama, "from_config", must_not_build)
+    monkeypatch.setattr(CausalLM, "from_config", must_not_build)
     register_configs()
     run_dir = tmp_path / "run"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from conf.schema import register_configs
 from conf.schema.data import check_recall
 from conf.schema.optim import resolve_optim
-from model.config import LlamaConfig
+from model.config import DecoderConfig
 from model.fp8 import check_fp8_widths
 from offload.byte_model import parameter_counts
 from scripts.recall import job, results
@@ -139,7 +139,7 @@ def test_long_runs_start_from_a_short_warm_start_unless_told_otherwise():
 def test_recall_100m_is_a_100m_model_the_triton_attention_takes_learning_recall_at_32k():
     cfg = recall_100m_at_32k()
     model = {k: v for k, v in dict(cfg.model).items() if k not in ("name", "path")}
-    arch = LlamaConfig(**model)
+    arch = DecoderConfig(**model)
     total, trainable = parameter_counts(arch, cfg.train)
     assert cfg.train.mode == "full" and trainable == total and 85e6 < total < 115e6, total
     assert arch.head_dim in (64, 128) and arch.num_key_value_heads < arch.num_attention_heads
@@ -235,6 +235,6 @@ def test_the_fp8_runs_at_32k_are_lora_on_every_projection_with_widths_fp8_takes(
     cfg = recall_100m_at_32k(*job.FP8_LORA, job.FP8_ARM)
     assert cfg.train.mode == "lora" and cfg.train.fp8 and len(cfg.train.lora_target_modules) == 7
     assert cfg.optim.lr == 1e-3 and cfg.train.lora_r >= 16
-    arch = LlamaConfig(**{k: v for k, v in dict(cfg.model).items() if k not in ("name", "path")})
+    arch = DecoderConfig(**{k: v for k, v in dict(cfg.model).items() if k not in ("name", "path")})
     assert check_fp8_widths(arch.hidden_size, arch.num_attention_heads * arch.head_dim,
                             arch.num_key_value_heads * arch.head_dim, arch.intermediate_size) is None

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from model import Llama, LlamaConfig
+from model import CausalLM, DecoderConfig
 from model.hf_checkpoint import HFCheckpointError, read_config
 from model.rope import rope_frequencies
 
@@ -58,7 +58,7 @@ def hf_logits(model) -> torch.Tensor:
         return model(TOKENS).logits
 
 
-def our_logits(model: Llama) -> torch.Tensor:
+def our_logits(model: CausalLM) -> torch.Tensor:
     with torch.no_grad():
         return model(TOKENS) @ model.lm_head.weight.t()
 
@@ -83,31 +83,31 @@ def test_each_rope_type_matches_transformers_beyond_the_original_context(tmp_pat
     hf.save_pretrained(tmp_path)
     assert "rope_parameters" in json.loads((tmp_path / "config.json").read_text())
     expected = hf_logits(hf)
-    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert ours.config.rope_type == (ROPES[name] or {"rope_type": "default"})["rope_type"]
     assert max_difference(our_logits(ours), expected) <= 1e-5
 
     older_layout(tmp_path)
-    again = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    again = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert again.config == ours.config
     assert max_difference(our_logits(again), expected) <= 1e-5
 
     # The comparison can fail: the same weights under the unscaled rope (or, for the default, another
     # theta) give other logits.
     wrong = {"rope_theta": 20000.0} if ROPES[name] is None else {"rope_scaling": {"rope_type": "default"}}
-    other = Llama.from_pretrained(tmp_path, dtype=torch.float32, overrides=wrong)
+    other = CausalLM.from_pretrained(tmp_path, dtype=torch.float32, overrides=wrong)
     assert max_difference(our_logits(other), expected) > 1e-2
 
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
 def test_dynamic_and_longrope_are_computed_at_the_trained_length(name):
-    """The trainer fixes the length (Llama.train_rope_at): a short input is rotated as at that length (for
+    """The trainer fixes the length (CausalLM.train_rope_at): a short input is rotated as at that length (for
     longrope: with its long factors, and their attention factor)."""
     extended = LENGTH if name == "longrope" else ORIGINAL
-    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+    cfg = DecoderConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=4, max_position_embeddings=extended, rope_theta=10000.0,
                       rope_scaling=ROPES[name])
-    model = Llama.from_config(cfg)
+    model = CausalLM.from_config(cfg)
     short = model.model.rope(torch.arange(8)[None], torch.float32)[0]
     model.train_rope_at(LENGTH)
     fixed = model.model.rope(torch.arange(8)[None], torch.float32)[0]
@@ -140,6 +140,6 @@ def test_a_top_level_original_context_is_read_as_transformers_reads_it(tmp_path,
     config["original_max_position_embeddings"] = ORIGINAL
     (tmp_path / "config.json").write_text(json.dumps(config))
     expected = hf_logits(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
-    ours = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert ours.config.rope_scaling["original_max_position_embeddings"] == ORIGINAL
     assert max_difference(our_logits(ours), expected) <= 1e-5

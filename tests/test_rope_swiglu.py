@@ -15,8 +15,8 @@ from kernels import reference
 from kernels.attention import choose_route
 from kernels.rope_triton import rope
 from kernels.swiglu_triton import swiglu
-from model import Llama, LlamaConfig
-from model.llama import positions_from_documents
+from model import CausalLM, DecoderConfig
+from model.decoder import positions_from_documents
 from model.rope import rope_tables as model_rope_tables
 from offload.policy import apply_memory_policy
 from trainer.build import install_attention_route
@@ -45,7 +45,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def rope_tables(position_ids: torch.Tensor, head_dim: int, dtype: torch.dtype, scaling=LLAMA3_SCALING):
     """cos/sin [B, S, 1, D] exactly as the model makes them (`model.rope.rope_tables`, llama3 scaling)."""
-    cfg = LlamaConfig(vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_hidden_layers=1,
+    cfg = DecoderConfig(vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=1, num_key_value_heads=1, rope_theta=500000.0, rope_scaling=scaling)
     return model_rope_tables(cfg, position_ids, dtype)
 
@@ -194,7 +194,7 @@ def test_model_with_fused_ops_through_the_memory_policy():
     recomputation and a 3-tile MLP equals the reference model under plain autograd. Attention stays the
     reference: head dim 16 is not one the Triton attention takes."""
     torch.manual_seed(0)
-    model = Llama.from_config(dict(vocab_size=64, hidden_size=64, intermediate_size=100, num_hidden_layers=3,
+    model = CausalLM.from_config(dict(vocab_size=64, hidden_size=64, intermediate_size=100, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, rope_scaling=LLAMA3_SCALING))
     input_ids, labels = torch.randint(0, 64, (2, 20)), torch.randint(0, 64, (2, 20))
     cu_seqlens = torch.tensor([0, 13, 14, 40], dtype=torch.int32)

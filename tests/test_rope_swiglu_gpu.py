@@ -9,8 +9,8 @@ import conftest_kernels
 import torch
 
 from kernels import reference
-from model import LlamaConfig
-from model.llama import positions_from_documents
+from model import DecoderConfig
+from model.decoder import positions_from_documents
 from model.rope import rope_tables
 
 pytestmark = conftest_kernels.needs_compiled_gpu
@@ -27,7 +27,7 @@ def test_rope_bf16_llama3_shape_with_packed_documents():
     """32 q heads, 8 kv heads, D=128, 32k tokens of packed documents, Llama-3.1's scaled tables in bf16."""
     from kernels.rope_triton import rope
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_hidden_layers=1,
+    cfg = DecoderConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
@@ -65,7 +65,7 @@ def test_swiglu_under_autocast_in_a_tiled_mlp():
     """The model's MLP (bf16 autocast over fp32 weights, as full fine-tuning's fp32 layout) run through the
     tiled MLP policy, against the same MLP in fp32 without tiles."""
     import kernels
-    from model.llama import MLP
+    from model.decoder import MLP
     from offload.policy import TokenTiled
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=4096, intermediate_size=14336)

@@ -17,8 +17,8 @@ from conf.errors import ConfigError  # noqa: E402
 from data import Batch  # noqa: E402
 from kernels.attention import choose_route  # noqa: E402
 from kernels.attention.sequence_parallel import check_heads  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
-from model.llama import Attention  # noqa: E402
+from model import CausalLM, DecoderConfig  # noqa: E402
+from model.decoder import Attention  # noqa: E402
 from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
 from trainer.build import apply_lora, install_attention_route  # noqa: E402
 from trainer.distributed import World, close_world, world_of  # noqa: E402
@@ -36,7 +36,7 @@ SEQLEN = 24
 
 def _model(train: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = Llama.from_config(LlamaConfig(**TINY), dtype=torch.float32, device="cpu")
+    model = CausalLM.from_config(DecoderConfig(**TINY), dtype=torch.float32, device="cpu")
     if train == "lora":
         model = apply_lora(model, LORA)
         with torch.no_grad():     # LoRA B starts at zero: make every adapter matter

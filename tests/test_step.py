@@ -8,7 +8,7 @@ import torch
 
 from conf.schema import DataConfig
 from data import Batch, RecallTask
-from model import Llama
+from model import CausalLM
 from trainer.optim import build_optimizer, build_scheduler, lr_multiplier
 from trainer.step import train_step
 
@@ -32,7 +32,7 @@ def split(batch: Batch, parts: int) -> list[Batch]:
 
 def trained_weights(micro_batches: list[Batch]) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Llama.from_config(TINY)
+    model = CausalLM.from_config(TINY)
     optimizer = build_optimizer(model, OPTIM, None)
     result = train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10), grad_clip=0.5,
                         device=torch.device("cpu"))
@@ -47,7 +47,7 @@ def test_accumulated_micro_batches_update_like_one_batch():
     batch.labels[0, :40] = -100          # uneven supervision across the micro-batches
     whole, accumulated = trained_weights([batch]), trained_weights(split(batch, 2))
     torch.manual_seed(0)
-    initial = dict(Llama.from_config(TINY).named_parameters())
+    initial = dict(CausalLM.from_config(TINY).named_parameters())
     for name, weight in whole.items():
         assert not torch.equal(weight, initial[name]), f"{name} was not updated"
         assert torch.allclose(accumulated[name], weight, rtol=0, atol=1e-6), name
@@ -57,7 +57,7 @@ def test_accuracy_covers_every_micro_batch():
     """The step's accuracy is over all its supervised tokens, like its loss, not the last micro-batch's."""
     batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
     torch.manual_seed(0)
-    model = Llama.from_config(TINY)
+    model = CausalLM.from_config(TINY)
     with torch.no_grad():
         predicted = model.lm_head(model(batch.input_ids, position_ids=batch.position_ids)).argmax(-1)
     supervised = batch.labels != -100
@@ -67,7 +67,7 @@ def test_accuracy_covers_every_micro_batch():
     accuracies = []
     for micro_batches in ([batch], split(batch, 2)):
         torch.manual_seed(0)
-        model = Llama.from_config(TINY)
+        model = CausalLM.from_config(TINY)
         optimizer = build_optimizer(model, OPTIM, None)
         accuracies.append(train_step(model, micro_batches, optimizer, build_scheduler(optimizer, OPTIM, 10),
                                      grad_clip=0.5, device=torch.device("cpu")).accuracy)
@@ -79,7 +79,7 @@ def test_a_micro_batch_output_is_freed_before_the_next_forward():
     next micro-batch's forward and backward, nor through the optimizer step."""
     batch = next(RecallTask(DataConfig(num_pairs=6, repeats=3, num_queries=4), 64, 4, seed=0, vocab_size=128))
     torch.manual_seed(0)
-    model = Llama.from_config(TINY)
+    model = CausalLM.from_config(TINY)
     optimizer = build_optimizer(model, OPTIM, None)
     outputs, alive_at_forward = [], []
     model.register_forward_pre_hook(lambda module, args: alive_at_forward.append(

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from conf.schema.model import ARCHITECTURE_KEYS, GROUP_DIR, MISSING, ModelConfig
 from conf.validate import ConfigError
-from model import LlamaConfig
+from model import DecoderConfig
 from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, read_config, with_overrides
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def given_architecture(model_cfg: dict, given_keys: set[str] | None = None) -> d
     return {key: value for key, value in values.items() if value != group.get(key, getattr(defaults, key))}
 
 
-def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:
+def with_rope(base: DecoderConfig, values: dict) -> DecoderConfig:
     """`base` with the rope settings of `values` that are not None; ConfigError when they are not valid."""
     try:
         return with_overrides(base, {key: values.get(key) for key in ROPE_OVERRIDE_KEYS})
@@ -68,15 +68,15 @@ def with_rope(base: LlamaConfig, values: dict) -> LlamaConfig:
                           f"(docs/LONG_CONTEXT.md)") from None
 
 
-def architecture(model_cfg) -> LlamaConfig:
+def architecture(model_cfg) -> DecoderConfig:
     """The architecture the model settings describe on their own (random init, a run's recorded config); rope
-    settings left None take LlamaConfig's defaults."""
+    settings left None take DecoderConfig's defaults."""
     values = model_values(model_cfg)
-    base = LlamaConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
+    base = DecoderConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
     return with_rope(base, {"rope_scaling": values["rope_scaling"]})
 
 
-def checkpoint_architecture(cfg) -> LlamaConfig:
+def checkpoint_architecture(cfg) -> DecoderConfig:
     """model.path's own architecture, as its config.json says: read once while that file is unchanged (a
     start asks for it many times), a copy each time."""
     path = Path(cfg.model.path).expanduser()
@@ -86,12 +86,12 @@ def checkpoint_architecture(cfg) -> LlamaConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def read_checkpoint_config(path: str, stamp: tuple[int, int] | None) -> LlamaConfig:
+def read_checkpoint_config(path: str, stamp: tuple[int, int] | None) -> DecoderConfig:
     """read_config of `path`, cached by the config.json's modification time and size (`stamp`)."""
     return read_config(Path(path))
 
 
-def model_architecture(cfg, given_keys: set[str] | None = None) -> LlamaConfig:
+def model_architecture(cfg, given_keys: set[str] | None = None) -> DecoderConfig:
     """The architecture the model is built with: with model.path its config.json's, the rope settings given
     (model.rope_theta, model.rope_scaling, model.max_position_embeddings) applied and any other architecture
     setting given checked against it (given_architecture); else the model group's."""
@@ -108,14 +108,14 @@ def model_architecture(cfg, given_keys: set[str] | None = None) -> LlamaConfig:
     return with_rope(checkpoint, given)
 
 
-def rope_overrides(arch: LlamaConfig) -> dict:
-    """The rope settings of `arch` as loader overrides (Llama.from_pretrained), the default rope spelled out: a
+def rope_overrides(arch: DecoderConfig) -> dict:
+    """The rope settings of `arch` as loader overrides (CausalLM.from_pretrained), the default rope spelled out: a
     None would keep the checkpoint's scaling."""
     return {"rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling or {"rope_type": "default"},
             "max_position_embeddings": arch.max_position_embeddings}
 
 
-def record_architecture(cfg, arch: LlamaConfig | None = None, given_keys: set[str] | None = None) -> LlamaConfig:
+def record_architecture(cfg, arch: DecoderConfig | None = None, given_keys: set[str] | None = None) -> DecoderConfig:
     """Write the architecture the model is built with (`arch`, default model_architecture with `given_keys`)
     into cfg.model (with model.path: the checkpoint's values and the overrides, not the model group's), so that
     config.yaml, every checkpoint and W&B record it, and a resume that would build another (a changed rope) is
@@ -130,7 +130,7 @@ def record_architecture(cfg, arch: LlamaConfig | None = None, given_keys: set[st
     return arch
 
 
-def log_unused(cfg, arch: LlamaConfig, given_keys: set[str] | None) -> None:
+def log_unused(cfg, arch: DecoderConfig, given_keys: set[str] | None) -> None:
     """One line naming the model group's settings that model.path's architecture replaces (a warning without
     the command line's keys: one of them may have been given, equal to the group's)."""
     if not cfg.model.path or is_recorded(cfg.model):
@@ -158,7 +158,7 @@ def saved_config(saved_yaml: str):
     return saved
 
 
-def rope_changes(arch: LlamaConfig, checkpoint: LlamaConfig) -> dict:
+def rope_changes(arch: DecoderConfig, checkpoint: DecoderConfig) -> dict:
     """The rope settings in which `arch` differs from `checkpoint` ({} for none)."""
     return {key: getattr(arch, key) for key in ROPE_OVERRIDE_KEYS if getattr(arch, key) != getattr(checkpoint, key)}
 

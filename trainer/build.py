@@ -14,9 +14,9 @@ from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from kernels.attention import AttentionRoute
-from model import Llama, LlamaConfig
-from model.hf_checkpoint import (is_lora, save_linked_model, unwrap_llama)
-from model.llama import Attention
+from model import CausalLM, DecoderConfig
+from model.hf_checkpoint import (is_lora, save_linked_model, unwrap_model)
+from model.decoder import Attention
 from model.fp8 import check_fp8_widths, fp8_weight_count, quantize_frozen_base
 from model.lora import fuse_adapter_products
 from offload.byte_model import Capacity
@@ -46,7 +46,7 @@ def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | 
                        micro_batches=cfg.optim.grad_accum_steps)
 
 
-def attention_routes(cfg, arch: LlamaConfig, device: torch.device) -> tuple[AttentionRoute, ...]:
+def attention_routes(cfg, arch: DecoderConfig, device: torch.device) -> tuple[AttentionRoute, ...]:
     """The attention routes the planner tries for this job (kernels.attention.candidates): for the GPU named by
     memory.gpu, or by default (PLANNING_GPU) when none is visible, else for this machine's."""
     planned = cfg.memory.gpu or (PLANNING_GPU if device.type == "cuda" and not torch.cuda.is_available() else None)
@@ -54,7 +54,7 @@ def attention_routes(cfg, arch: LlamaConfig, device: torch.device) -> tuple[Atte
     return kernels.attention.candidates(device, arch.head_dim, cfg.kernels, cfg.deterministic, hopper)
 
 
-def memory_settings(cfg, arch: LlamaConfig, device: torch.device):
+def memory_settings(cfg, arch: DecoderConfig, device: torch.device):
     """cfg.memory, keeping no attention outputs where the attention that runs records none (the reference
     attention: kernels=reference, a CPU run, a head dim the Triton kernel lacks), and no full layers there
     either: the planner counts the Triton attention's saved tensors, the reference keeps its [T, T] scores."""
@@ -142,7 +142,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     dtype = plan.weights_dtype
     arch = model_architecture(cfg)
     if cfg.model.path:
-        model = Llama.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
+        model = CausalLM.from_pretrained(cfg.model.path, dtype=dtype, device=device, overrides=rope_overrides(arch))
         log.info("loaded %s from %s", cfg.model.name, cfg.model.path)
     else:
         if resumed:
@@ -151,7 +151,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
         else:
             log.warning("model.path is not set: %s starts from RANDOM weights (fine for benchmarks and the demo; "
                         "give model.path=<local HF checkpoint> to fine-tune a real model)", cfg.model.name)
-        model = Llama.from_config(arch, dtype=dtype, device=device)
+        model = CausalLM.from_config(arch, dtype=dtype, device=device)
     model.train_rope_at(cfg.seq_len)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
@@ -199,10 +199,10 @@ def keep_extended_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:
     beside a config.json of the architecture built, which transformers and peft then load with that rope."""
     base_dir = run_dir / BASE_MODEL_DIR
     if is_lora(model) and extends_checkpoint(cfg) and not base_dir.is_dir():
-        save_linked_model(Path(cfg.model.path).expanduser(), unwrap_llama(model).config.to_hf_dict(), base_dir)
+        save_linked_model(Path(cfg.model.path).expanduser(), unwrap_model(model).config.to_hf_dict(), base_dir)
 
 
-def lora_model(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:
+def lora_model(model: CausalLM, train_cfg, base_path: str | None = None) -> torch.nn.Module:
     """`model` with LoRA adapters as training runs them (offload.byte_model counts what this keeps): peft's
     adapters (apply_lora) with the fused adapter forward, and over a bf16 base the adapter inputs left in bf16."""
     base_dtype = next(model.parameters()).dtype
@@ -213,7 +213,7 @@ def lora_model(model: Llama, train_cfg, base_path: str | None = None) -> torch.n
     return model
 
 
-def apply_lora(model: Llama, train_cfg, base_path: str | None = None) -> torch.nn.Module:
+def apply_lora(model: CausalLM, train_cfg, base_path: str | None = None) -> torch.nn.Module:
     """Wrap in peft LoRA adapters; the base is frozen and the adapters are kept in fp32.
 
     The saved adapter_config.json names `base_path` and task_type CAUSAL_LM, so that

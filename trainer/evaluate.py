@@ -27,7 +27,7 @@ from data import IGNORE_INDEX, Batch
 from data.held_out import held_out_data
 from data.passkey import PasskeyGrid, passkey_grid
 from data.tokenize import check_tokenizer_files, load_tokenizer
-from model import unwrap_llama
+from model import unwrap_model
 from offload.units import GIB
 from trainer.distributed import World, local_rank
 from trainer.metrics import reset_peak_memory, wait_for_device
@@ -146,7 +146,7 @@ class Evaluator:
         buckets = len(self.edges) - 1
         losses, counts = [0.0] * buckets, [0] * buckets
         correct = counted = unmeasurable = 0
-        head = unwrap_llama(self.model).lm_head.weight
+        head = unwrap_model(self.model).lm_head.weight
         for index in self._mine(len(self.held_out)):
             shard = self.held_out[index].shard(self.world.sequence_rank, self.world.sequence)
             batch, hidden = self._hidden(shard)
@@ -179,7 +179,7 @@ class Evaluator:
         """Per cell wrong greedy answer tokens, then per cell answer tokens."""
         grid, cells = self.passkey, self.passkey.cell_count
         wrong, total = [0] * cells, [0] * cells
-        head = unwrap_llama(self.model).lm_head.weight
+        head = unwrap_model(self.model).lm_head.weight
         for index in self._mine(len(grid.batches)):
             shard, shard_cells = grid.shard(index, self.world.sequence_rank, self.world.sequence)
             batch, hidden = self._hidden(shard)
@@ -237,7 +237,7 @@ def evaluator_for(cfg, model: torch.nn.Module, device: torch.device, world: Worl
     where model.path has a tokenizer, the passkey grid."""
     batches = -(-cfg.eval.sequences // cfg.batch_size)
     batches += -batches % world.data_parallel
-    vocab_size = unwrap_llama(model).config.vocab_size
+    vocab_size = unwrap_model(model).config.vocab_size
     held = held_out_data(cfg.data, cfg.eval.path, cfg.eval.fraction, cfg.seq_len, cfg.batch_size, cfg.seed,
                          vocab_size, cfg.model.path, batches)
     passkey = passkey_for(cfg, held.text, world)

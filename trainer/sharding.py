@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from model import unwrap_llama
+from model import unwrap_model
 from trainer.distributed import World
 
 
@@ -23,7 +23,7 @@ def shard_model(model: torch.nn.Module, world: World, device: torch.device) -> N
     """Shard each decoder layer of `model` over `world`, then the rest (embeddings, final norm, head) as
     the root; in place."""
     mesh = init_device_mesh(device.type, (world.size,))
-    llama = unwrap_llama(model)
+    llama = unwrap_model(model)
     sharded = [*llama.model.layers, llama]
     for module in sharded:
         fully_shard(module, mesh=mesh)

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from data import IGNORE_INDEX, Batch
-from model import unwrap_llama
+from model import unwrap_model
 from trainer.distributed import World
 from trainer.guard import update_is_finite
 
@@ -45,7 +45,7 @@ def supervised_correct(model: torch.nn.Module, hidden: torch.Tensor, labels: tor
     if count == 0:
         return 0, 0
     with torch.no_grad():
-        logits = hidden[mask].float() @ unwrap_llama(model).lm_head.weight.float().t()
+        logits = hidden[mask].float() @ unwrap_model(model).lm_head.weight.float().t()
         return int((logits.argmax(-1) == labels[mask]).sum()), count
 
 
@@ -74,7 +74,7 @@ def train_step(model: torch.nn.Module, micro_batches: list[Batch], optimizer: to
     # A sequence-parallel group shares its batches: count them once per group.
     supervised, tokens = (int(total) // world.sequence for total in world.sum(
         [sum(b.num_supervised for b in micro_batches), sum(b.num_tokens for b in micro_batches)]))
-    lm = unwrap_llama(model)
+    lm = unwrap_model(model)
     total_loss, correct, counted, unmeasurable = 0.0, 0, 0, 0
     for batch in micro_batches:
         batch = batch.shard(world.sequence_rank, world.sequence).to(device)

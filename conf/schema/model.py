@@ -1,4 +1,4 @@
-"""The `model` config group: which Llama, from a checkpoint or by its architecture for random init."""
+"""The `model` config group: which model (family, shape), from a checkpoint or by its architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass

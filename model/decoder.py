@@ -1,6 +1,6 @@
 """Llama-3 / 3.1 decoder with the parameter names of transformers' LlamaForCausalLM.
 
-The model knows nothing about memory policy: `LlamaModel.run_layer` is the single place a decoder layer is
+The model knows nothing about memory policy: `Decoder.run_layer` is the single place a decoder layer is
 called, and `offload/` replaces it on an instance to checkpoint, offload or tile. Ops go through
 `kernels`, which picks Triton on CUDA and the PyTorch reference elsewhere.
 """
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import kernels
-from model.config import LlamaConfig
+from model.config import DecoderConfig
 from model.hf_checkpoint import load_pretrained
 from model.rope import rope_tables
 
@@ -32,7 +32,7 @@ class Attention(nn.Module):
     # kernels.attention.route.default_route.
     route: kernels.attention.AttentionRoute | None = None
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * self.head_dim, bias=False)
@@ -52,7 +52,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -63,7 +63,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -84,15 +84,15 @@ def positions_from_documents(cu_seqlens: torch.Tensor, batch: int, seqlen: int) 
     return (flat - cu_seqlens.long()[doc]).view(batch, seqlen)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The sequence length a dynamic or longrope rope is computed for; None: each input's own length. The
-        # trainer fixes it at seq_len (Llama.train_rope_at).
+        # trainer fixes it at seq_len (CausalLM.train_rope_at).
         self.rope_length: int | None = None
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,14 +116,14 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class Llama(nn.Module):
+class CausalLM(nn.Module):
     """Causal LM: `forward` returns the final hidden states; the loss comes from them and
     `lm_head.weight` through `kernels.linear_cross_entropy`, so full logits are never built."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -147,11 +147,11 @@ class Llama(nn.Module):
                                             labels.reshape(-1), reduction=reduction)
 
     @classmethod
-    def from_config(cls, cfg: LlamaConfig | dict[str, Any], dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> "Llama":
+    def from_config(cls, cfg: DecoderConfig | dict[str, Any], dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> "CausalLM":
         """A randomly initialised model (normal(0, initializer_range) weights, unit norms)."""
-        if not isinstance(cfg, LlamaConfig):
-            cfg = LlamaConfig.from_dict(dict(cfg))
+        if not isinstance(cfg, DecoderConfig):
+            cfg = DecoderConfig.from_dict(dict(cfg))
         with torch.device("meta"):
             model = cls(cfg)
         model.to_empty(device=device)
@@ -168,7 +168,7 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                        overrides: dict[str, Any] | None = None) -> "Llama":
+                        overrides: dict[str, Any] | None = None) -> "CausalLM":
         """The checkpoint at `path`, its config.json's architecture updated by `overrides` (the rope keys:
         model.hf_checkpoint.ROPE_OVERRIDE_KEYS)."""
         return load_pretrained(cls, path, dtype=dtype, device=device, overrides=overrides)
