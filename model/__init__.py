@@ -1,4 +1,4 @@
-"""Our Llama-3/3.1 implementation; parameter names equal transformers' LlamaForCausalLM."""
+"""Our decoder for every model family (model/families/); parameter names equal transformers' classes."""
 from model.config import DecoderConfig
 from model.hf_checkpoint import HFCheckpointError, unwrap_model
 from model.decoder import CausalLM

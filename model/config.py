@@ -1,9 +1,13 @@
-"""Llama architecture hyper-parameters, with the field names of transformers' LlamaConfig."""
+"""The decoder's architecture hyper-parameters, with the field names of transformers' config classes, and the
+model family (model/family.py) that says which of the shared decoder's ops it uses and how its config.json
+is spelled."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from model.family import ModelFamily, family_named, family_of_config, sliding_window_refusal
 
 # The rope types transformers implements for Llama (model.rope computes them with transformers' code), with
 # the rope_scaling keys each reads.
@@ -23,6 +27,8 @@ ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
 
 @dataclass
 class DecoderConfig:
+    # The model family (model.family; model/families/); the other defaults are Llama-3 8B's.
+    family: str = "llama"
     vocab_size: int = 128256
     hidden_size: int = 4096
     intermediate_size: int = 14336
@@ -47,6 +53,16 @@ class DecoderConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
         self.rope_scaling = canonical_rope_scaling(self.rope_scaling)
+        family_named(self.family)
+
+    @property
+    def spec(self) -> ModelFamily:
+        return family_named(self.family)
+
+    @property
+    def ops(self):
+        """The shared layer's optional ops this family uses (model.family.LayerOps)."""
+        return self.spec.layer
 
     @property
     def rope_type(self) -> str:
@@ -54,18 +70,26 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DecoderConfig":
-        """Build from an HF config.json dict (v4 `rope_scaling` or v5 `rope_parameters`) or our own fields."""
+        """Build from an HF config.json dict (its family from `model_type`; v4 `rope_scaling` or v5
+        `rope_parameters`) or our own fields (`family`, default llama). ValueError for what is not built here:
+        another family, windowed attention, an option the family's layer lacks."""
         values = dict(values)
-        if values.get("attention_bias") or values.get("mlp_bias"):
-            raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
-        if values.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {values['hidden_act']!r} is not supported; Llama uses 'silu'")
+        refusal = sliding_window_refusal(values)
+        if refusal:
+            raise ValueError(refusal)
+        is_hf = "model_type" in values or "architectures" in values
+        family = family_of_config(values) if is_hf else family_named(values.get("family", cls.family))
+        refusal = family.refusal(values)
+        if refusal:
+            raise ValueError(refusal)
+        values = {key: value for key, value in values.items() if value is not None}
         rope_parameters = values.pop("rope_parameters", None)
         if rope_parameters:
-            values.setdefault("rope_theta", rope_parameters.get("rope_theta", cls.rope_theta))
+            values.setdefault("rope_theta", rope_parameters.get("rope_theta", family.defaults.get("rope_theta")))
             values["rope_scaling"] = rope_parameters
         values["rope_scaling"] = with_original_context(values.get("rope_scaling"),
                                                        values.pop("original_max_position_embeddings", None))
+        values = {**family.defaults, **values, "family": family.name}
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
@@ -77,10 +101,10 @@ class DecoderConfig:
         return self.to_hf_dict().get(key, default)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json contents that transformers' LlamaForCausalLM loads."""
+        """config.json contents that transformers loads as this family's class (LlamaForCausalLM, ...)."""
         values = dataclasses.asdict(self)
-        values.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                      attention_bias=False, mlp_bias=False)
+        family = family_named(values.pop("family"))
+        values.update(architectures=[family.hf_architecture], model_type=family.model_types[0], **family.hf_constants)
         return values
 
 

@@ -1,4 +1,5 @@
-"""Llama-3 / 3.1 decoder with the parameter names of transformers' LlamaForCausalLM.
+"""The decoder every model family shares (Llama 3, Qwen3, ...), with the parameter names of transformers'
+causal-LM classes. A family (model/family.py) switches the layer's optional ops on (QK-norm).
 
 The model knows nothing about memory policy: `Decoder.run_layer` is the single place a decoder layer is
 called, and `offload/` replaces it on an instance to checkpoint, offload or tile. Ops go through
@@ -39,6 +40,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.q_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.ops.qk_norm:      # one RMSNorm weight over head_dim, shared by every head
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -46,6 +50,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope_triton.py says why not in place)
         out = kernels.attention.attention(q, k, v, self.route, causal=True, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seqlen, self.q_heads * self.head_dim))

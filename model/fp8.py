@@ -106,7 +106,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, shared_input: SharedQuantizedInput | None = None):
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("Fp8Linear: a projection with a bias is not supported (Llama's have none)")
+            raise ValueError("Fp8Linear: a projection with a bias is not supported (no family built here has one)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shared_input = shared_input or SharedQuantizedInput(readers=1)
         self.register_buffer("weight_fp8", None, persistent=False)

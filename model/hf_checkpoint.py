@@ -1,6 +1,6 @@
 """Hugging Face model directories (config.json + safetensors, with a tokenizer and generation_config.json
-beside them): loading a local Llama checkpoint, and writing our model as one that transformers loads (the
-export)."""
+beside them): loading a local checkpoint of any model family built here (model/families/), and writing our
+model as one that transformers loads (the export)."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +46,7 @@ def read_config(path: Path, overrides: dict | None = None) -> DecoderConfig:
         raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
                               f"(config.json and *.safetensors)")
     values = read_json(config_file)
-    if values.get("model_type", "llama") != "llama":
-        raise HFCheckpointError(f"{config_file} describes model_type={values['model_type']!r}; only 'llama' loads")
+    values.setdefault("model_type", "llama")      # files written before transformers named it
     try:
         return with_overrides(DecoderConfig.from_dict(values), overrides or {})
     except ValueError as error:
@@ -103,7 +102,8 @@ def read_shard(file: Path, expected: dict, tied: bool, dtype: torch.dtype,
             if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                 continue
             if name not in expected:
-                raise HFCheckpointError(f"{file} holds tensor {name!r}, which a Llama model does not have")
+                raise HFCheckpointError(f"{file} holds tensor {name!r}, which the model its config.json describes "
+                                        f"does not have")
             tensor = shard.get_tensor(name)
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise HFCheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -147,12 +147,12 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Our Llama under any wrapper (peft's PeftModel -> LoraModel -> CausalLM)."""
+    """Our CausalLM under any wrapper (peft's PeftModel -> LoraModel -> CausalLM)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Our Llama's weights under Hugging Face names, without a tied head (safetensors stores each tensor
+    """Our model's weights under Hugging Face names, without a tied head (safetensors stores each tensor
     once). For a peft model: the frozen base, without the adapters."""
     lora = is_lora(model)
     llama = unwrap_model(model)

@@ -1,5 +1,5 @@
-"""Rotary position embedding tables for every rope type transformers implements for Llama (default, linear,
-dynamic, yarn, longrope, llama3).
+"""Rotary position embedding tables for every rope type transformers implements for the families built here
+(default, linear, dynamic, yarn, longrope, llama3).
 
 The inverse frequencies and the attention factor come from transformers' own rope initialisation
 (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`), so a scaled rope means here what it means in transformers; the
@@ -20,7 +20,7 @@ import torch
 from model.config import DecoderConfig
 
 
-# What transformers' rope initialisation reads of a Llama config.
+# What transformers' rope initialisation reads of a config (the same for every family built here).
 ROPE_INPUTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                "rope_theta", "rope_scaling")
 

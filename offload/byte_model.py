@@ -24,6 +24,7 @@ import torch
 
 from kernels.attention import cudnn_attention
 from model.config import DecoderConfig
+from model.family import norm_shapes, projection_shapes, saved_by_qk_norm
 from offload.units import GIB
 
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
@@ -93,15 +94,6 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
-def projection_shapes(arch: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """(input, output) width of each of a decoder layer's projections."""
-    d, heads_dim, kv_dim = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
-        arch.num_key_value_heads * arch.head_dim
-    return {"q_proj": (d, heads_dim), "k_proj": (d, kv_dim), "v_proj": (d, kv_dim), "o_proj": (heads_dim, d),
-            "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
-            "down_proj": (arch.intermediate_size, d)}
-
-
 def parameter_counts(arch: DecoderConfig, train_cfg) -> tuple[int, int]:
     """(all parameters, trainable parameters) of the model as the trainer builds it."""
     d = arch.hidden_size
@@ -114,8 +106,8 @@ def parameter_counts(arch: DecoderConfig, train_cfg) -> tuple[int, int]:
 
 
 def layer_parameters(arch: DecoderConfig) -> int:
-    """One decoder layer's parameters: its projections and two norms."""
-    return sum(i * o for i, o in projection_shapes(arch).values()) + 2 * arch.hidden_size
+    """One decoder layer's parameters: its projections and norms (model.family says which)."""
+    return sum(i * o for i, o in projection_shapes(arch).values()) + sum(norm_shapes(arch).values())
 
 
 def _adapter_parameters(arch: DecoderConfig, train_cfg, names: Iterable[str]) -> int:
@@ -213,8 +205,10 @@ def _layer_backward(shape: Shape, tile_tokens: int, attention_kernel: str) -> di
             shape.tokens, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, shape.act_bytes)
         attention_label = "attention stats+workspace"
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
-    return {"layer backward activations": int(BACKWARD_ACTIVATIONS * shape.activation),
-            attention_label: attention_stats, "MLP tile": mlp_tile}
+    # QK-norm's recomputed inputs (q and k before the norm) and their gradients, beside the calibrated count
+    activations = (int(BACKWARD_ACTIVATIONS * shape.activation)
+                   + 2 * shape.tokens * saved_by_qk_norm(arch, shape.act_bytes))
+    return {"layer backward activations": activations, attention_label: attention_stats, "MLP tile": mlp_tile}
 
 
 def loss_bytes(shape: Shape) -> int:
@@ -267,7 +261,8 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     tests/test_byte_model.py to a measurement with saved-tensor hooks, in fp32 and as the trainer runs LoRA on
     a GPU: bf16 base, fp32 adapters, bf16 autocast): the two norms' inputs (the layer input and the residual
     after attention) and fp32 rstds; the Triton attention's q, k, v after RoPE, output, fp32 log-sum-exp and
-    int32 document bounds (RoPE's products keep only the shared cos/sin tables); the inputs of the
+    int32 document bounds (RoPE's products keep only the shared cos/sin tables); with QK-norm, its inputs and
+    rstds (model.family.saved_by_qk_norm); the inputs of the
     projections that train; each LoRA adapter's down-projection output [tokens, r] (and with dropout its
     own dropped-out input and mask instead of the shared input); and the MLP's input, or untiled its
     intermediates. Under autocast with bf16 activations, also autocast's bf16 copies of the fp32 adapter
@@ -282,6 +277,7 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     d, kv = arch.hidden_size, max(arch.num_key_value_heads, sequence_parallel) * arch.head_dim
     q = arch.num_attention_heads * arch.head_dim
     per_token = act * (2 * d + 2 * q + 2 * kv) + 4 * (2 + arch.num_attention_heads) + 2 * 4
+    per_token += saved_by_qk_norm(arch, act)
     if sequence_parallel > 1:
         per_token += act * q
     # (names, input width, input already kept by another op): the attention output is o_proj's input.

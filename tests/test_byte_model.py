@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from model import CausalLM, DecoderConfig
-from offload.byte_model import Shape, full_layer_bytes, projection_shapes
+from model.family import projection_shapes
+from offload.byte_model import Shape, full_layer_bytes
 from offload.policy import apply_memory_policy
 from trainer.build import apply_lora, lora_model
 

@@ -20,7 +20,10 @@ log = logging.getLogger(__name__)
 
 
 def model_values(model_cfg) -> dict:
-    return OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    """The model settings as a plain dict; a run recorded before model families were named built a Llama."""
+    values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    values.setdefault("family", "llama")
+    return values
 
 
 def group_values(name: str) -> dict:
@@ -72,7 +75,10 @@ def architecture(model_cfg) -> DecoderConfig:
     """The architecture the model settings describe on their own (random init, a run's recorded config); rope
     settings left None take DecoderConfig's defaults."""
     values = model_values(model_cfg)
-    base = DecoderConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
+    try:
+        base = DecoderConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
+    except ValueError as error:
+        raise ConfigError(f"model.family={values['family']!r}: {error}") from None
     return with_rope(base, {"rope_scaling": values["rope_scaling"]})
 
 
@@ -98,7 +104,12 @@ def model_architecture(cfg, given_keys: set[str] | None = None) -> DecoderConfig
     if not cfg.model.path:
         return architecture(cfg.model)
     checkpoint = checkpoint_architecture(cfg)
-    given = given_architecture(model_values(cfg.model), given_keys)
+    values = model_values(cfg.model)
+    if values["family"] != checkpoint.family:
+        raise ConfigError(f"model={cfg.model.name} is a {values['family']} model and model.path's config.json "
+                          f"({cfg.model.path}) describes a {checkpoint.family} one: choose a {checkpoint.family} "
+                          f"model group (README, \"Model families\") or model.family={checkpoint.family}")
+    given = given_architecture(values, given_keys)
     for key, value in given.items():
         if key not in ROPE_OVERRIDE_KEYS and value != getattr(checkpoint, key):
             raise ConfigError(f"model.{key}={value} differs from {getattr(checkpoint, key)} in model.path's "

@@ -13,6 +13,10 @@ MISSING = "???"     # omegaconf.MISSING, spelled out so this module needs no ome
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    # The model family (model/families/: llama, qwen3; checked by trainer.architecture, as conf imports no
+    # model code), which the model group names. With `path` the checkpoint's config.json decides, and a
+    # group of another family is an error.
+    family: str = "llama"
     # Local Hugging Face checkpoint directory; None trains from random init (benchmarks, demos).
     path: Optional[str] = None
     # Architecture, used for random init (the model group sets it). With `path` the checkpoint's config.json
@@ -35,10 +39,10 @@ class ModelConfig:
     rope_scaling: Any = None
 
 
-# Every architecture setting, in the order config.json has them.
-ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                     "rope_scaling", "tie_word_embeddings")
+# Every architecture setting, the family first, then in the order config.json has them.
+ARCHITECTURE_KEYS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings")
 # The model group files (conf/model/<name>.yaml).
 GROUP_DIR = Path(__file__).resolve().parents[1] / "model"
 

@@ -1,0 +1,7 @@
+"""The built-in model families: one module each, registered here (model/family.py says what a family is)."""
+from model.families.llama import LLAMA
+from model.families.qwen3 import QWEN3
+from model.family import register_family
+
+for _family in (LLAMA, QWEN3):
+    register_family(_family)

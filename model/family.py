@@ -1,0 +1,132 @@
+"""What a model family is to the trainer: one `ModelFamily` value per family (model/families/), which every
+other layer reads instead of knowing an architecture by name.
+
+All families share one decoder (model/decoder.py: RMSNorm, attention with RoPE, SwiGLU MLP, transformers'
+parameter names); a family says which of the shared layer's options it uses (`LayerOps`), how its
+config.json is spelled (model types, class names, the keys and defaults that differ from Llama's) and what
+it refuses to load. From that, `projection_shapes`, `norm_shapes` and `saved_by_norms` give the planner
+(offload/byte_model.py) the layer's parameters and what its ops keep for the backward, and the checkpoint
+loader, the export, FP8, LoRA, sharding and the memory policy walk the same modules whatever the family.
+Adding a family that reuses the shared ops is one module in model/families/ and one entry in its registry
+(docs/ARCHITECTURE.md, "Adding a model family").
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The shared decoder layer's optional ops a family uses."""
+    # RMSNorm over each head of q and k after their projections, before RoPE (Qwen3's "QK-norm").
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: how its Hugging Face checkpoints are recognised, read and written, and its layer."""
+    name: str                                   # model.family, recorded in config.yaml and checkpoints
+    model_types: tuple[str, ...]                # config.json `model_type` values it loads
+    hf_architecture: str                        # config.json `architectures` of an export (transformers' class)
+    layer: LayerOps = LayerOps()
+    # config.json values a checkpoint may leave out, where the family's transformers config class defaults
+    # differently from Llama's (DecoderConfig's own defaults).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Fixed config.json keys an export writes (the options of transformers' class this decoder builds).
+    hf_constants: Mapping[str, Any] = field(default_factory=dict)
+    # config.json keys that must hold these values, or the checkpoint is refused (options not built here).
+    required: Mapping[str, Any] = field(default_factory=dict)
+    # The projections LoRA adapts by default (train.lora_target_modules names them).
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def refusal(self, values: Mapping[str, Any]) -> str | None:
+        """Why a config.json of this family cannot be built (an option this decoder lacks), or None."""
+        for key, wanted in self.required.items():
+            if values.get(key) is not None and values[key] != wanted:
+                return f"{key}={values[key]!r} is not supported for {self.name} (only {wanted!r} is built)"
+        return None
+
+
+def active_sliding_window(values: Mapping[str, Any]) -> int | None:
+    """The attention window a config.json switches on, or None. Qwen2/2.5/3 keep `sliding_window` with
+    `use_sliding_window: false` (off); transformers 5 lists each layer's kind in `layer_types`; Mistral v0.1,
+    Ministral and Gemma 2/3 set `sliding_window` alone (on)."""
+    window = values.get("sliding_window")
+    if not window or values.get("use_sliding_window") is False:
+        return None
+    layer_types = values.get("layer_types")
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def sliding_window_refusal(values: Mapping[str, Any]) -> str | None:
+    """Why a config.json with windowed attention is refused (whatever its family), or None."""
+    window = active_sliding_window(values)
+    if window is None:
+        return None
+    return (f"its attention is windowed (sliding_window={window}), and only full causal attention is built here: "
+            f"training it would attend past the window the model was trained with")
+
+
+# The registry: model/families/__init__.py registers the built-in families.
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make `family` known by its name and model types (a model type another family claims is an error)."""
+    for known in FAMILIES.values():
+        shared = sorted(set(known.model_types) & set(family.model_types))
+        if known.name != family.name and shared:
+            raise ValueError(f"family {family.name!r} claims model_type {shared}, which is {known.name!r}'s")
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family called `name` (model.family); ValueError listing the known ones."""
+    import model.families  # noqa: F401  (registers the built-in families)
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r} is not one of {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+def family_of_config(values: Mapping[str, Any]) -> ModelFamily:
+    """The family a Hugging Face config.json describes (its `model_type`, else its `architectures`)."""
+    import model.families  # noqa: F401  (registers the built-in families)
+    model_type = values.get("model_type")
+    architectures = values.get("architectures") or ()
+    for family in FAMILIES.values():
+        if model_type in family.model_types or (model_type is None and family.hf_architecture in architectures):
+            return family
+    described = f"model_type={model_type!r}" if model_type else f"architectures={list(architectures)}"
+    known = ", ".join(f"{family.name} ({'/'.join(family.model_types)})" for family in FAMILIES.values())
+    raise ValueError(f"it describes {described}, which is not a model family built here: {known}")
+
+
+def projection_shapes(arch) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each of a decoder layer's projections (`arch`: a DecoderConfig)."""
+    d, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
+            "down_proj": (arch.intermediate_size, d)}
+
+
+def norm_shapes(arch) -> dict[str, int]:
+    """The width of each of a decoder layer's RMSNorm weights."""
+    norms = {"input_layernorm": arch.hidden_size, "post_attention_layernorm": arch.hidden_size}
+    if arch.ops.qk_norm:
+        norms |= {"self_attn.q_norm": arch.head_dim, "self_attn.k_norm": arch.head_dim}
+    return norms
+
+
+def saved_by_qk_norm(arch, act_bytes: int) -> int:
+    """Per-token bytes QK-norm keeps for its backward (kernels.rms_norm saves its input and an fp32 rstd per
+    row, a row being one head of one token): q's and k's projections before the norm. 0 without it."""
+    if not arch.ops.qk_norm:
+        return 0
+    heads = arch.num_attention_heads + arch.num_key_value_heads
+    return heads * (arch.head_dim * act_bytes + 4)
+
