@@ -1,0 +1,194 @@
+"""Model families (model/family.py, model/families/): each family's model equals transformers' class for it
+(fp32, positions past the original context, a changed rope), checkpoints are recognised by their
+config.json, windowed attention is refused, and a family defined in one place trains through the trainer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import CausalLM, DecoderConfig, HFCheckpointError
+from model.family import FAMILIES, LayerOps, ModelFamily, register_family
+from tests.jobs_support import job_config, losses, single_torch_thread  # noqa: F401
+from trainer.loop import train
+
+VOCAB = 101
+# The original context is 32 positions; the inputs run to 90, so every rope scaling is exercised past it.
+CONTEXT, LENGTH = 32, 90
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT}
+
+
+def hf_classes(family: str):
+    import transformers
+    return {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+
+
+def save_hf(directory, family: str, rope: dict | None = None, tied: bool = False, head_dim: int = 32):
+    """A tiny transformers model of `family` with sharp attention (q and k scaled, so a wrong rope or a missing
+    QK-norm changes the logits visibly) and non-trivial norms, saved with save_pretrained."""
+    config_class, model_class = hf_classes(family)
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                          max_position_embeddings=4 * CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                          rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})})
+    torch.manual_seed(0)
+    hf = model_class(config).float()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if "q_proj" in name or "k_proj" in name:
+                param.mul_(4.0)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, LENGTH), generator=generator)
+    labels = torch.randint(0, VOCAB, (2, LENGTH), generator=generator)
+    labels[0, :7] = -100
+    return ids, labels
+
+
+def our_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids) @ model.lm_head.weight.t()
+
+
+CASES = [  # (family, the checkpoint's rope, our override of it, tied embeddings, head_dim)
+    pytest.param("qwen3", YARN, None, False, 32, id="qwen3-yarn-head_dim-apart"),       # 4 x 32 != 64 wide
+    pytest.param("qwen3", None, YARN, True, 16, id="qwen3-tied-yarn-override"),
+    pytest.param("llama", None, YARN, False, 16, id="llama-yarn-override"),
+]
+
+
+@pytest.mark.parametrize("family, rope, override, tied, head_dim", CASES)
+def test_logits_and_every_gradient_equal_transformers(tmp_path, family, rope, override, tied, head_dim):
+    """fp32, 90 positions over a 32-position original context, with the checkpoint's own rope or one
+    overridden as context extension does (the transformers model is then built with that rope)."""
+    hf = save_hf(tmp_path / "base", family, rope, tied, head_dim)
+    if override:
+        hf = save_hf(tmp_path / "reference", family, override, tied, head_dim)
+    overrides = {"rope_scaling": override} if override else None
+    ours = CausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32, overrides=overrides)
+    assert ours.config.family == family
+    ids, labels = inputs()
+
+    reference = hf(ids).logits
+    F.cross_entropy(reference.reshape(-1, VOCAB), labels.reshape(-1)).backward()
+    logits = our_logits(ours, ids)
+    ours.loss(ours(ids), labels).backward()
+
+    assert (logits - reference).abs().max().item() <= 1e-5
+    ref_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
+    assert our_params.keys() == ref_params.keys()
+    for name, param in our_params.items():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert (param.grad - ref_params[name].grad).abs().max().item() <= 1e-5, name
+
+
+def test_a_missing_qk_norm_or_a_wrong_rope_changes_the_logits_visibly(tmp_path):
+    hf = save_hf(tmp_path, "qwen3", YARN)
+    ids, _ = inputs()
+    with torch.no_grad():
+        reference = hf(ids).logits
+        ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert (our_logits(ours, ids) - reference).abs().max() <= 1e-5
+        wrong_rope = CausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                              overrides={"rope_scaling": {"rope_type": "default"}})
+        no_qk_norm = CausalLM.from_config(DecoderConfig(**{**vars(ours.config), "family": "llama"}))
+        state = {k: v for k, v in ours.state_dict().items() if "q_norm" not in k and "k_norm" not in k}
+        no_qk_norm.load_state_dict(state)
+        for changed in (wrong_rope, no_qk_norm):
+            difference = (our_logits(changed, ids) - reference).norm() / reference.norm()
+            assert difference > 0.05
+
+
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+def hf_config_values(family: str, **values) -> dict:
+    config_class, model_class = hf_classes(family)
+    return {**config_class(**SHAPE).to_dict(), "architectures": [model_class.__name__], **values}
+
+
+@pytest.mark.parametrize("values", [
+    pytest.param({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+                 id="mistral-v0.1"),
+    pytest.param({"model_type": "gemma2", "sliding_window": 4096}, id="gemma2"),
+    pytest.param({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4096,
+                  "layer_types": ["full_attention", "sliding_attention"]}, id="qwen3-window-on"),
+])
+def test_a_window_that_is_on_is_refused_in_one_line(tmp_path, values):
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, **values}))
+    with pytest.raises(HFCheckpointError) as refused:
+        CausalLM.from_pretrained(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message and "windowed (sliding_window=4096)" in message and "config.json" in message
+
+
+def test_a_window_present_but_switched_off_is_not_refused():
+    """Qwen2.5 and Qwen3 keep sliding_window in config.json with use_sliding_window false."""
+    values = hf_config_values("qwen3", sliding_window=131072, use_sliding_window=False, max_window_layers=28)
+    assert DecoderConfig.from_dict(values).family == "qwen3"
+    values = hf_config_values("qwen3", sliding_window=4096, use_sliding_window=True, max_window_layers=2,
+                              layer_types=["full_attention", "full_attention"])     # no layer windowed
+    assert DecoderConfig.from_dict(values).family == "qwen3"
+
+
+def test_an_unknown_family_or_an_option_not_built_is_refused():
+    with pytest.raises(ValueError, match=r"model_type='phi3', which is not a model family built here: llama"):
+        DecoderConfig.from_dict({"model_type": "phi3"})
+    with pytest.raises(ValueError, match=r"attention_bias=True is not supported for qwen3"):
+        DecoderConfig.from_dict(hf_config_values("qwen3", attention_bias=True))
+    with pytest.raises(ValueError, match=r"model family 'qwen9' is not one of llama, qwen3"):
+        DecoderConfig(family="qwen9")
+
+
+def test_the_export_config_is_the_family_class(tmp_path):
+    """config.json of our model names transformers' class of its family, which builds the same model."""
+    save_hf(tmp_path / "base", "qwen3", YARN)
+    ours = CausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    values = ours.config.to_hf_dict()
+    assert values["model_type"] == "qwen3" and values["architectures"] == ["Qwen3ForCausalLM"]
+    assert DecoderConfig.from_dict(values) == ours.config
+
+
+def test_a_group_of_another_family_with_a_checkpoint_is_an_error_naming_it(tmp_path):
+    from conf.validate import ConfigError
+    from trainer.architecture import model_architecture
+    save_hf(tmp_path / "base", "qwen3")
+    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}")
+    with pytest.raises(ConfigError, match=r"model=tiny is a llama model and model.path's config.json .* describes "
+                                          r"a qwen3 one: choose a qwen3 model group"):
+        model_architecture(cfg)
+    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}", "model.family=qwen3")
+    assert model_architecture(cfg).family == "qwen3"
+
+
+@pytest.fixture
+def test_family():
+    """A family defined in this one place: Llama's layer with QK-norm, under a model type of its own."""
+    family = register_family(ModelFamily(name="qk_llama_test", model_types=("qk_llama_test",),
+                                         hf_architecture="LlamaForCausalLM", layer=LayerOps(qk_norm=True)))
+    yield family
+    del FAMILIES[family.name]
+
+
+def test_a_family_defined_in_one_place_trains_through_the_trainer(tmp_path, test_family):
+    """The test-only family trains (full fine-tuning, so its QK-norm weights learn), checkpoints and resumes
+    to the same losses as a straight run: config, planner, policy, checkpoints all read the family."""
+    overrides = ["model.family=qk_llama_test", "max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+    straight = train(job_config(tmp_path / "straight", *overrides))
+    assert straight["step"] == 4
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "straight" / "checkpoints" / "step-4" / "model.safetensors")
+    assert "model.layers.0.self_attn.q_norm.weight" in weights
+    assert not torch.equal(weights["model.layers.0.self_attn.q_norm.weight"], torch.ones(16))
+    train(job_config(tmp_path / "resumed", *overrides[:-2], "max_steps=2", "checkpoint.every_steps=2"))
+    train(job_config(tmp_path / "resumed", *overrides))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
