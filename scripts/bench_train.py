@@ -49,7 +49,8 @@ def random_batch(seq_len: int, vocab: int, device) -> tuple[torch.Tensor, torch.
 
 
 def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
-    """The trainer's config of this benchmark: the Llama-3-8B architecture, batch 1, then the overrides."""
+    """The trainer's config of this benchmark: the Llama-3-8B architecture unless the overrides name another
+    model group (model=qwen3_8b), batch 1, then the overrides."""
     from hydra import compose, initialize_config_dir
 
     from conf.schema import register_configs
@@ -58,7 +59,8 @@ def trainer_config(seq_len: int, overrides: list[str], train: str = "lora"):
 
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["model=llama3_8b", f"train={train}", "batch_size=1", f"seq_len={seq_len}",
+        model = [] if any(o.startswith("model=") for o in overrides) else ["model=llama3_8b"]
+        cfg = compose("config", overrides=[*model, f"train={train}", "batch_size=1", f"seq_len={seq_len}",
                                            *overrides])
     record_architecture(cfg, given_keys=given_model_keys(overrides))
     return cfg
@@ -123,20 +125,22 @@ def build_ours(cfg):
     return lm.config, step, built.policy.stats, info, evaluate
 
 
-def build_peer():
-    """transformers LlamaForCausalLM + peft LoRA + Liger-Kernel + HF gradient checkpointing + save_on_cpu."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
+def build_peer(cfg):
+    """transformers' class of the config's family (LlamaForCausalLM, Qwen3ForCausalLM) + peft LoRA + Liger-Kernel's
+    patches for that family + HF gradient checkpointing + save_on_cpu."""
+    import liger_kernel.transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model import DecoderConfig
+    from trainer.architecture import model_architecture
 
-    apply_liger_kernel_to_llama()
-    arch = DecoderConfig()         # the Llama-3-8B defaults
-    hf_config = HFLlamaConfig(**{k: v for k, v in arch.to_hf_dict().items() if k != "architectures"})
+    arch = model_architecture(cfg)
+    values = arch.to_hf_dict()
+    # Liger's rope, norms, SwiGLU and fused loss for the family (apply_liger_kernel_to_llama, ..._qwen3)
+    getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{values['model_type']}")()
+    hf_config = AutoConfig.for_model(**{k: v for k, v in values.items() if k != "architectures"})
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(hf_config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -191,7 +195,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = trainer_config(args.seq_len, args.overrides, args.train)
     gpu_memory_cap = cap_to_planned_gpu(cfg, torch.device("cuda"))
-    arch, step, offload_stats, info, evaluate = build_peer() if args.peer else build_ours(cfg)
+    arch, step, offload_stats, info, evaluate = build_peer(cfg) if args.peer else build_ours(cfg)
     info |= {"overrides": args.overrides, "gpu_memory_cap": gpu_memory_cap}
     input_ids, labels = random_batch(args.seq_len, arch.vocab_size, "cuda")
     torch.cuda.reset_peak_memory_stats()    # the step's peak, not model construction's

@@ -68,7 +68,21 @@ fp8_quality() { recall_job fp8_quality --compare fp8 --steps ${FP8_STEPS:-1000} 
 collect_recall_job() { local name=$1 tar=$2; cp /tmp/$name.png /tmp/$name.out $OUT/
   (cd /tmp && tar cf $OUT/$tar.tar --transform "s,^$name,$tar," \
     $(ls -d $name/*.log $name/*/metrics.jsonl $name/*/train.log 2>/dev/null)); }
-export -f recall_job recall_curve fp8_quality
+# Issue 45's figures in one background job, from a copy of the tree (a later call re-sends the working tree):
+# Qwen3-8B LoRA at 32k (bf16 with the last step profiled, train.fp8, the peer), Llama-3 8B's 32k step on this
+# tree and on the tree before the model seam (OLD_TREE: `git archive <commit> | tar x -C .old_tree`, carried),
+# then Qwen3-8B at 131k (bf16, train.fp8, the peer). One JSON line a run in $OUT/families.jsonl after `poll`.
+families() { rm -rf /tmp/families_tree /tmp/families.jsonl; cp -r "$PWD" /tmp/families_tree; cd /tmp/families_tree
+  run() { python3 scripts/bench_train.py "$@" >> /tmp/families.jsonl 2>> /tmp/families.err; }
+  run --seq-len 32768 --steps 4 --profile model=qwen3_8b
+  run --seq-len 32768 --steps 3 model=qwen3_8b train.fp8=true
+  run --seq-len 32768 --steps 3 --peer model=qwen3_8b
+  run --seq-len 32768 --steps 3
+  (cd ${OLD_TREE:-.old_tree} && python3 scripts/bench_train.py --seq-len 32768 --steps 3 >> /tmp/families.jsonl 2>> /tmp/families.err)
+  run --seq-len 131072 --steps 2 model=qwen3_8b
+  run --seq-len 131072 --steps 2 model=qwen3_8b train.fp8=true
+  run --seq-len 131072 --steps 2 --peer model=qwen3_8b; }
+export -f recall_job recall_curve fp8_quality families
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -121,6 +135,8 @@ for step in "$@"; do
           tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; fi
         if [ -f /tmp/recall_curve.done ]; then collect_recall_job recall_curve recall_runs
           grep -v '^{' /tmp/recall_curve.out | tail -8; fi
+        if [ -f /tmp/families.started ]; then cp /tmp/families.jsonl /tmp/families.err $OUT/ 2>/dev/null
+          python3 -c "import json; [print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','peak_gpu_allocated_gib','overrides')}) for r in map(json.loads, open('/tmp/families.jsonl'))]"; fi
         if [ -f /tmp/fp8_quality.done ]; then collect_recall_job fp8_quality fp8_runs
           grep -v '^{' /tmp/fp8_quality.out | tail -8; fi ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
@@ -152,6 +168,7 @@ for step in "$@"; do
     recall_curve_bg) background recall_curve recall_curve ;;
     # Issue 41's FP8 quality gate (fp8_quality above), longer than a call: then `poll`.
     fp8_quality_bg) background fp8_quality fp8_quality ;;
+    families_bg) background families families ;;
     *) echo "unknown step $step" ;;
   esac
 done
