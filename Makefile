@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) scripts/requirements.py > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 train: setup

@@ -31,20 +31,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.attention import cudnn_attention  # noqa: E402
-from kernels.attention import flash_attention as fa  # noqa: E402
-from kernels.attention.route import AttentionRoute, attention, flash_attention  # noqa: E402
-from scripts import gpu_clocks, step_profile  # noqa: E402
+from conf.capability import gpu_capability
+from kernels.attention import flash_attention as fa
+from kernels.attention.route import AttentionRoute, attention, flash_attention
+from scripts import gpu_clocks, step_profile
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 compiled_flex = torch.compile(flex_attention)
@@ -179,7 +176,7 @@ def bench_causal(seqlen: int, peers: list[str], results, rounds: int, profile: b
     if deterministic:   # what `deterministic=true` costs: the Triton two-kernel backward
         contenders.append((f"S={seqlen} ours, deterministic",
                            lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=True)))
-    if cudnn_attention.available(inputs[0].device):   # what kernels=auto runs on this GPU
+    if gpu_capability(inputs[0].device).cudnn_attention_backward:   # what kernels=auto runs on this GPU
         contenders.append((f"S={seqlen} cudnn_attention (auto)",
                            lambda q, k, v: attention(q, k, v, AttentionRoute("gluon", "cudnn"))))
     contenders += [(f"S={seqlen} {names[peer]}", runs[peer]()) for peer in peers]

@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from model.config import DecoderConfig  # noqa: E402
-from model.fp8 import Fp8Linear, quantize_frozen_base  # noqa: E402
-from model.decoder import DecoderLayer, CausalLM  # noqa: E402
+import kernels
+from kernels import reference
+from model.config import DecoderConfig
+from model.fp8 import Fp8Linear, quantize_frozen_base
+from model.decoder import DecoderLayer, CausalLM
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)

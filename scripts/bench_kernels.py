@@ -14,26 +14,22 @@ Times are medians of CUDA-event timings (triton.testing.do_bench) on random data
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.layer_norm_triton import layer_norm  # noqa: E402
-from kernels.linear_cross_entropy_triton import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,  # noqa: E402
+from kernels.layer_norm_triton import layer_norm
+from kernels.linear_cross_entropy_triton import (DEFAULT_MEMORY_BUDGET, cross_entropy_rows,
                                           linear_cross_entropy, plan_chunks)
-from kernels.rms_norm_triton import rms_norm  # noqa: E402
-from kernels.rope_triton import rope  # noqa: E402
-from kernels.swiglu_triton import swiglu  # noqa: E402
-from model.config import DecoderConfig  # noqa: E402
-from model.rope import rope_tables  # noqa: E402
-from offload.units import GIB  # noqa: E402
+from kernels.rms_norm_triton import rms_norm
+from kernels.rope_triton import rope
+from kernels.swiglu_triton import swiglu
+from model.config import DecoderConfig
+from model.rope import rope_tables
+from offload.units import GIB
 
 MATMUL_PEAK_TFLOPS = 795.0  # the figure for a bf16 H100 matmul
 

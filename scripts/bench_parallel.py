@@ -17,10 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from trainer.metrics import METRICS_FILE, read_records
 
-from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULTS = ["model=llama3_8b", "train=lora", "logger.wandb.mode=disabled", "logger.progress_bar=false",
             "checkpoint.every_steps=0", "checkpoint.every_minutes=0", "checkpoint.save_random_base=false",

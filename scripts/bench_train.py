@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.allocator import cap_gpu_memory, gpu_memory_cap, prefer_expandable_segments  # noqa: E402
+from trainer.allocator import cap_gpu_memory, gpu_memory_cap, prefer_expandable_segments
 
 prefer_expandable_segments()
 

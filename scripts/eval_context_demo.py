@@ -9,24 +9,21 @@ A few minutes on one CPU core. Writes the PNG (one curve per evaluation) and pri
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from hydra import compose, initialize_config_dir
 
-from conf.schema import register_configs  # noqa: E402
-from scripts.export import export  # noqa: E402
-from scripts.report import loss_by_position_figure, position_curve  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
+from conf.schema import register_configs
+from scripts.export import export
+from scripts.report import loss_by_position_figure, position_curve
+from trainer.loop import train
+from trainer.metrics import METRICS_FILE, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = ["data.num_pairs=8", "data.repeats=4", "data.num_queries=8", "device=cpu", "logger.wandb.mode=disabled",

@@ -26,33 +26,31 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.errors import HydraException  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-import kernels  # noqa: E402
-from conf.schema import JobConfig, register_configs  # noqa: E402
-from conf.schema.job import resolve_device  # noqa: E402
-from conf.validate import ConfigError, check_known_keys, validate  # noqa: E402
-from data import DataError  # noqa: E402
-from model import CausalLM  # noqa: E402
-from model.hf_checkpoint import HFCheckpointError  # noqa: E402
-from offload.plan import mlp_tiles  # noqa: E402
-from offload.policy import apply_memory_policy  # noqa: E402
-from scripts.export import ExportError, full_model, lora_base_dir, merged_lora  # noqa: E402
-from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve  # noqa: E402
-from trainer.architecture import (given_model_keys, model_architecture, record_architecture,  # noqa: E402
+import kernels
+from conf.schema import JobConfig, register_configs
+from conf.schema.job import resolve_device
+from conf.validate import ConfigError, check_known_keys, validate
+from data import DataError
+from model import CausalLM
+from model.hf_checkpoint import HFCheckpointError
+from offload.plan import mlp_tiles
+from offload.policy import apply_memory_policy
+from scripts.export import ExportError, full_model, lora_base_dir, merged_lora
+from scripts.report import loss_by_position_figure, passkey_cells, passkey_figure, position_curve
+from trainer.architecture import (given_model_keys, model_architecture, record_architecture,
                                   rope_overrides, saved_config)
-from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem  # noqa: E402
-from trainer.evaluate import build_evaluator  # noqa: E402
+from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem
+from trainer.evaluate import build_evaluator
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 

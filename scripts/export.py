@@ -18,8 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402

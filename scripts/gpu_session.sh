@@ -18,8 +18,10 @@ set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
   .whl/*.whl && touch /tmp/site/.installed; } || exit 1
-# The tuning cache stays out of $OUT: at most 8 files come back, and a background job outlives its call's $OUT.
-export PYTHONPATH=/tmp/site${GPU_CAP_DIR:+:$GPU_CAP_DIR} PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
+# The image's python3 has neither `make setup`'s venv nor its install of this checkout: the wheels and the
+# checkout's packages come from PYTHONPATH. The tuning cache stays out of $OUT: at most 8 files come back, and a
+# background job outlives its call's $OUT.
+export PYTHONPATH=/tmp/site:$PWD${GPU_CAP_DIR:+:$GPU_CAP_DIR} PYTHONUNBUFFERED=1 LONGCTX_TUNING_CACHE=${LONGCTX_TUNING_CACHE:-/tmp/longctx-tuning}
 # An 80 GB GPU on a bigger one (docs/PERFORMANCE.md, "How to measure"): GPU_CAP_GIB=79.2 and GPU_CAP_DIR, the folder
 # of a sitecustomize.py that caps the CUDA allocator at start-up, before train.py or bench_train.py could set the
 # allocator's options; BENCH_OVERRIDES="memory.gpu=h100_80gb memory.host_memory_gib=125" plans the bench steps so.

@@ -10,21 +10,18 @@ Exits 1 when the plan does not fit, 2 when it cannot be made (the message names 
 """
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra
+import torch
 
-import hydra  # noqa: E402
-import torch  # noqa: E402
-
-from conf.schema import JobConfig, register_configs  # noqa: E402
-from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset  # noqa: E402
-from conf.schema.train import check_fp8, check_train  # noqa: E402
-from conf.schema.parallel import world_size  # noqa: E402
-from conf.validate import check_finite_numbers, check_known_keys  # noqa: E402
-from offload.placement import rebuilding_keeps  # noqa: E402
-from offload.store import Placement  # noqa: E402
-from trainer.build import plan_for  # noqa: E402
+from conf.schema import JobConfig, register_configs
+from conf.schema.memory import PLANNING_GPU, PLANNING_HOST_GIB, check_memory, resolve_gpu_preset
+from conf.schema.train import check_fp8, check_train
+from conf.schema.parallel import world_size
+from conf.validate import check_finite_numbers, check_known_keys
+from offload.placement import rebuilding_keeps
+from offload.store import Placement
+from trainer.build import plan_for
 
 register_configs()
 

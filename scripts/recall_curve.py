@@ -58,17 +58,15 @@ import sys
 import time
 from pathlib import Path
 
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from scripts.recall.job import (  # noqa: E402
+from scripts.recall.job import (
     COMPARISONS, DEFAULT_STEPS, FP8_ARM, WARM_START_FROM, WARM_START_MODEL, WARM_START_STEPS, arms,
     check_warm_start, composed_config, cuda_visible, long_overrides, run_overrides, train_command,
     warm_start_steps)
-from scripts.recall.results import report  # noqa: E402
-from scripts.recall.runs import finished_runs, run_jobs, warm_start  # noqa: E402
-from trainer.architecture import architecture  # noqa: E402
+from scripts.recall.results import report
+from scripts.recall.runs import finished_runs, run_jobs, warm_start
+from trainer.architecture import architecture
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> dict:

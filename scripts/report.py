@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.metrics import METRICS_FILE, read_records  # noqa: E402
+from trainer.metrics import METRICS_FILE, read_records
 # PNG name -> (title, y label, metrics drawn: a name, or a suffix that picks every metric ending in it,
 # so the memory engine's GiB metrics are drawn next to the trainer's; whether a metric that is zero
 # throughout measured nothing and is left out: pinned memory is, an accuracy of 0 is a result).

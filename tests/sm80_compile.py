@@ -22,20 +22,17 @@ import os
 import pkgutil
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import JITFunction
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-import kernels  # noqa: E402
+import kernels
 
 (_row_norm, adamw_update, fa, fa_kernels, fa_hopper, fa_hopper_backward, layer_norm, linear_cross_entropy, rms_norm,
  rope, swiglu, quantize_rows, transpose) = (importlib.import_module(f"kernels.{name}") for name in

@@ -6,7 +6,7 @@ import tests.conftest_kernels  # noqa: F401  (interpreter or compiler settled be
 import pytest
 import torch
 
-from conf.schema.job import triton_interpreting
+from conf.capability import triton_interpreting
 from kernels import reference
 from kernels.adamw_update_triton import adamw_update
 

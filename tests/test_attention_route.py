@@ -2,15 +2,25 @@
 the route was a value (the planner's candidates, the reference where our kernels do not run, cuDNN's backward
 for whole rows and ours for packed ones, the Gluon kernels where they read the inputs), on any machine: a
 GPU's answers are asked of the functions that give them."""
+import dataclasses
+
 import pytest
 import torch
 
 import kernels
+from conf.capability import NO_GPU, GpuCapability, gpu_capability
 from kernels import reference
 from kernels.attention import AttentionRoute, attention, candidates, choose_route, route
 from kernels.attention import flash_attention_hopper
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+H100 = GpuCapability("NVIDIA H100 80GB HBM3", (9, 0), hopper=True, fp8=True, cudnn_attention_backward=True)
+A100 = GpuCapability("NVIDIA A100-SXM4-80GB", (8, 0))
+
+
+def this_machines_gpu(monkeypatch, gpu: GpuCapability) -> None:
+    """The route asks conf.capability what this machine's GPU runs (tests/test_capability.py tests its answers)."""
+    monkeypatch.setattr(route, "gpu_capability", lambda device: gpu if device.type == "cuda" else NO_GPU)
 
 
 @pytest.fixture(autouse=True)
@@ -23,29 +33,30 @@ def _choices(routes):
     return tuple((r.forward, r.backward) for r in routes)
 
 
-@pytest.mark.parametrize("backend, deterministic, hopper, expected", [
-    ("auto", False, True, (("gluon", "cudnn"), ("gluon", "triton"))),   # a Hopper GPU: cuDNN's backward first
-    ("auto", True, True, (("gluon", "triton"),)),       # cuDNN's backward adds dQ with atomics
-    ("triton", False, True, (("gluon", "triton"),)),    # our kernels throughout
-    ("auto", False, False, (("triton", "triton"),)),    # an A100: ours
-    ("reference", False, True, (("reference", "reference"),)),
+@pytest.mark.parametrize("backend, deterministic, gpu, expected", [
+    ("auto", False, "h100_80gb", (("gluon", "cudnn"), ("gluon", "triton"))),   # Hopper: cuDNN's backward first
+    ("auto", False, "h200", (("gluon", "cudnn"), ("gluon", "triton"))),
+    ("auto", True, "h100_80gb", (("gluon", "triton"),)),       # cuDNN's backward adds dQ with atomics
+    ("triton", False, "h100_80gb", (("gluon", "triton"),)),    # our kernels throughout
+    ("auto", False, "a100_80gb", (("triton", "triton"),)),     # an A100: ours
+    ("reference", False, "h100_80gb", (("reference", "reference"),)),
 ])
-def test_the_planner_tries_cudnn_first_where_it_runs(monkeypatch, backend, deterministic, hopper, expected):
+def test_the_planner_tries_cudnn_first_where_it_runs(monkeypatch, backend, deterministic, gpu, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # planning for a named GPU
-    assert _choices(candidates(CUDA, 128, backend, deterministic, planned_hopper=hopper)) == expected
+    assert _choices(candidates(CUDA, 128, backend, deterministic, planned_gpu=gpu_capability(gpu))) == expected
     on_cpu = "reference" if backend != "triton" else "triton"
-    assert _choices(candidates(CPU, 128, backend, deterministic, planned_hopper=hopper)) == ((on_cpu, on_cpu),)
+    assert (_choices(candidates(CPU, 128, backend, deterministic, planned_gpu=gpu_capability(gpu)))
+            == ((on_cpu, on_cpu),))
 
 
-@pytest.mark.parametrize("capability, cudnn, expected", [
-    ((9, 0), True, ("gluon", "cudnn")),          # an H100 on this machine
-    ((9, 0), False, ("gluon", "triton")),        # cuDNN disabled or absent
-    ((8, 0), False, ("triton", "triton")),       # an A100
+@pytest.mark.parametrize("gpu, expected", [
+    (H100, ("gluon", "cudnn")),
+    (dataclasses.replace(H100, cudnn_attention_backward=False), ("gluon", "triton")),   # cuDNN disabled or absent
+    (dataclasses.replace(H100, hopper=False), ("triton", "cudnn")),    # Triton compiling the A100's code there
+    (A100, ("triton", "triton")),
 ])
-def test_this_machines_gpu_decides_when_none_is_named(monkeypatch, capability, cudnn, expected):
-    monkeypatch.delenv("TRITON_OVERRIDE_ARCH", raising=False)
-    monkeypatch.setattr(route, "runs_hopper_code", lambda device: capability[0] == 9)
-    monkeypatch.setattr(route.cudnn_attention, "available", lambda device: cudnn)
+def test_this_machines_gpu_decides_when_none_is_named(monkeypatch, gpu, expected):
+    this_machines_gpu(monkeypatch, gpu)
     chosen = choose_route(CUDA, 128, "auto")
     assert (chosen.forward, chosen.backward) == expected and chosen.falls_back and chosen.records
     assert choose_route(CUDA, 128, "auto", cudnn_fits=False).backward == "triton"
@@ -63,18 +74,29 @@ def test_this_machines_gpu_decides_when_none_is_named(monkeypatch, capability, c
 ])
 def test_our_kernels_run_where_they_take_the_shape_else_the_reference_under_auto(monkeypatch, backend, device,
                                                                                  head_dim, dtype, forward, records):
-    monkeypatch.setattr(route, "runs_hopper_code", lambda device: False)
-    monkeypatch.setattr(route.cudnn_attention, "available", lambda device: False)
+    this_machines_gpu(monkeypatch, A100)
     chosen = choose_route(device, head_dim, backend, dtype=dtype)
     assert chosen.forward == forward and chosen.records == records
     assert chosen.falls_back == (backend == "auto")
 
 
 def test_deterministic_keeps_our_two_kernel_backward_on_hopper(monkeypatch):
-    monkeypatch.setattr(route, "runs_hopper_code", lambda device: True)
-    monkeypatch.setattr(route.cudnn_attention, "available", lambda device: True)
+    this_machines_gpu(monkeypatch, H100)
     chosen = choose_route(CUDA, 128, "auto", deterministic=True)
     assert (chosen.forward, chosen.backward, chosen.deterministic) == ("gluon", "triton", True)
+
+
+@pytest.mark.parametrize("here, planned, expected", [
+    (H100, "a100_80gb", ("gluon", "triton")),     # the plan counted no cuDNN workspace
+    (A100, "h100_80gb", ("triton", "cudnn")),     # the plan counted one, and this GPU has no Gluon forward
+])
+def test_a_named_gpu_decides_the_backward_and_this_machines_the_forward(monkeypatch, here, planned, expected):
+    """memory.gpu naming another GPU than the one visible: the backward is the one whose workspace the plan
+    counted; the forward is what this GPU runs."""
+    this_machines_gpu(monkeypatch, here)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    chosen = choose_route(CUDA, 128, "auto", planned_gpu=gpu_capability(planned))
+    assert (chosen.forward, chosen.backward) == expected
 
 
 def _packed(head_dim=16):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from conf.capability import gpu_capability
 from kernels import reference
 from kernels.attention import (attention, attention_tape, choose_route, cudnn_attention, flash_attention,
                                flash_attention_hopper)
@@ -15,7 +16,7 @@ from kernels.attention.route import flash_attention as ours
 
 CUDNN = AttentionRoute("gluon", "cudnn")      # cuDNN's backward after the Gluon forward where it reads the inputs
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cudnn_attention.available(torch.device("cuda"))),
+pytestmark = pytest.mark.skipif(not gpu_capability(torch.device("cuda")).cudnn_attention_backward,
                                 reason="needs a Hopper GPU with cuDNN")
 # Observed on the H100: 2.1e-3 for the output, 2.9e-3 to 3.4e-3 for the gradients (bf16 inputs).
 TOLERANCE = 5e-3

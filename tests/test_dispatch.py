@@ -57,7 +57,7 @@ def test_every_op_has_a_reference_and_a_triton_kernel(name):
 def test_the_package_attributes_stay_the_dispatching_functions_after_the_kernel_modules_load():
     """The Triton modules have names of their own (`kernels/<op>_triton.py`): loading them binds those names on
     the package, never the ops' (and the package is a plain module, with no hook against rebinding)."""
-    import kernels.rms_norm_triton  # noqa: F401  (the import statement binds submodules on the package)
+    import kernels.rms_norm_triton
     for name in dispatch.TRITON_OPS:
         importlib.import_module(f"kernels.{name}_triton")
     for name in dispatch.TRITON_OPS:
@@ -87,9 +87,8 @@ def test_the_test_helper_interprets_without_a_gpu_unless_told(asked, runs):
     session would make every later kernel run interpreted, on CUDA tensors too."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update({"TRITON_INTERPRET": asked} if asked else {})
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    script = (f"import sys; sys.path.insert(0, {tests_dir!r}); import conftest_kernels, os; "
-              "print(os.environ['TRITON_INTERPRET'])")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    script = "import os, tests.conftest_kernels; print(os.environ['TRITON_INTERPRET'])"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == runs

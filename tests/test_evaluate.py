@@ -17,24 +17,22 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: E402
-from conf.errors import ConfigError  # noqa: E402
-from conf.schema import DataConfig  # noqa: E402
-from conf.schema.eval import EvalConfig, evaluating, starts_with_eval  # noqa: E402
-from conf.validate import validate  # noqa: E402
-from data import IGNORE_INDEX  # noqa: E402
-from data.held_out import held_out_data, split_documents  # noqa: E402
-from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid  # noqa: E402
-from kernels.attention import choose_route  # noqa: E402
-from model import CausalLM, DecoderConfig  # noqa: E402
-from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
-from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: E402, F401
-from trainer.build import install_attention_route  # noqa: E402
-from trainer.distributed import World, world_of  # noqa: E402
-from trainer.evaluate import Evaluator, answer_misses, position_edges  # noqa: E402
-from trainer.loop import train  # noqa: E402
+import kernels
+from conf.errors import ConfigError
+from conf.schema import DataConfig
+from conf.schema.eval import EvalConfig, evaluating, starts_with_eval
+from conf.validate import validate
+from data import IGNORE_INDEX
+from data.held_out import held_out_data, split_documents
+from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid
+from kernels.attention import choose_route
+from model import CausalLM, DecoderConfig
+from tests.gloo_support import gloo_rank, run_two_ranks
+from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: F401
+from trainer.build import install_attention_route
+from trainer.distributed import World, world_of
+from trainer.evaluate import Evaluator, answer_misses, position_edges
+from trainer.loop import train
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0)

@@ -332,15 +332,14 @@ def test_the_hopper_forward_reads_rows_of_heads_and_launches_once_per_run_of_row
 @interpreted
 def test_runs_after_kernels_and_model_were_imported():
     """The suite's order: other test modules import kernels and the model (no Triton yet) before this one."""
-    tests_dir = os.path.dirname(__file__)
     script = (
-        "import sys, torch, kernels, model.decoder\n"
-        f"sys.path.insert(0, {tests_dir!r}); import conftest_kernels\n"
+        "import torch, kernels, model.decoder\n"
+        "import tests.conftest_kernels\n"
         "kernels.set_backend('triton')\n"
         "q = torch.randn(1, 5, 2, 64, requires_grad=True)\n"
         "out = kernels.attention.attention(q, q.detach()[:, :, :1], q.detach()[:, :, 1:])\n"
         "out.sum().backward(); assert not q.grad.isnan().any(); print('ok')\n")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(tests_dir)}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     env.pop("TRITON_INTERPRET")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conf.capability import gpu_capability
 from conf.errors import ConfigError
 from conf.schema.memory import MemoryConfig, check_memory
 from kernels.attention import candidates
@@ -31,7 +32,7 @@ H100_HOST = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=100 * GIB)
 H100_MACHINE = Capacity(gpu=int(79.2 * GIB), host=125 * GIB, pinnable=int(93.75 * GIB))
 CUDA = torch.device("cuda")
 # What the planner tries for kernels=auto on a Hopper GPU: cuDNN's backward, then ours.
-HOPPER_ROUTES = candidates(CUDA, 128, "auto", planned_hopper=True)
+HOPPER_ROUTES = candidates(CUDA, 128, "auto", planned_gpu=gpu_capability("h100_80gb"))
 ROOT = Path(__file__).resolve().parents[1]
 
 

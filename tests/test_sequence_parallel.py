@@ -2,7 +2,6 @@
 process's step on the same tokens, loss and every gradient within fp32 rounding, for LoRA and full
 fine-tuning, with packed documents that cross the ranks' slices and fewer KV heads than ranks."""
 import gc
-import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,20 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: E402
-from conf.errors import ConfigError  # noqa: E402
-from data import Batch  # noqa: E402
-from kernels.attention import choose_route  # noqa: E402
-from kernels.attention.sequence_parallel import check_heads  # noqa: E402
-from model import CausalLM, DecoderConfig  # noqa: E402
-from model.decoder import Attention  # noqa: E402
-from tests.gloo_support import gloo_rank, run_two_ranks  # noqa: E402
-from trainer.build import apply_lora, install_attention_route  # noqa: E402
-from trainer.distributed import World, close_world, world_of  # noqa: E402
-from trainer.loop import finish_job  # noqa: E402
-from trainer.step import train_step  # noqa: E402
+import kernels
+from conf.errors import ConfigError
+from data import Batch
+from kernels.attention import choose_route
+from kernels.attention.sequence_parallel import check_heads
+from model import CausalLM, DecoderConfig
+from model.decoder import Attention
+from tests.gloo_support import gloo_rank, run_two_ranks
+from trainer.build import apply_lora, install_attention_route
+from trainer.distributed import World, close_world, world_of
+from trainer.loop import finish_job
+from trainer.step import train_step
 
 # One KV head for two ranks: the sequence-parallel attention repeats it.
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

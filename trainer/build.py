@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 import kernels
-from conf.schema.memory import GPU_PRESETS, HOPPER_PRESETS, PLANNING_GPU
+from conf.capability import gpu_capability
+from conf.schema.memory import GPU_PRESETS, PLANNING_GPU
 from conf.schema.parallel import world_size
 from conf.validate import ConfigError
 from kernels.attention import AttentionRoute
@@ -50,8 +51,8 @@ def attention_routes(cfg, arch: DecoderConfig, device: torch.device) -> tuple[At
     """The attention routes the planner tries for this job (kernels.attention.candidates): for the GPU named by
     memory.gpu, or by default (PLANNING_GPU) when none is visible, else for this machine's."""
     planned = cfg.memory.gpu or (PLANNING_GPU if device.type == "cuda" and not torch.cuda.is_available() else None)
-    hopper = None if planned is None else planned in HOPPER_PRESETS
-    return kernels.attention.candidates(device, arch.head_dim, cfg.kernels, cfg.deterministic, hopper)
+    planned_gpu = None if planned is None else gpu_capability(planned)
+    return kernels.attention.candidates(device, arch.head_dim, cfg.kernels, cfg.deterministic, planned_gpu)
 
 
 def memory_settings(cfg, arch: DecoderConfig, device: torch.device):
@@ -100,11 +101,10 @@ def check_fp8_job(cfg, device: torch.device) -> None:
         raise ConfigError(f"train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability "
                           f"9.0+), and this job runs on {'the CPU' if device.type != 'cuda' else 'no visible GPU'}: "
                           f"set train.fp8=false")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
+    gpu = gpu_capability(device)
+    if not gpu.fp8:
         raise ConfigError(f"train.fp8=true needs Hopper's FP8 tensor cores (compute capability 9.0+: H100/H200), and "
-                          f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: set "
-                          f"train.fp8=false")
+                          f"{gpu.name} is {'.'.join(map(str, gpu.compute_capability))}: set train.fp8=false")
     arch = model_architecture(cfg)
     why = check_fp8_widths(arch.hidden_size, arch.num_attention_heads * arch.head_dim,
                            arch.num_key_value_heads * arch.head_dim, arch.intermediate_size)

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import torch
 
+from conf.capability import triton_interpreting
 from conf.errors import ConfigError
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -58,12 +59,6 @@ def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(requested)
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1, read by Triton when it
-    is first imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_kernels_backend(name: str) -> None:

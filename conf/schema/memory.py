@@ -8,8 +8,8 @@ from conf.errors import ConfigError
 
 # memory.gpu: GPUs to plan for by name, with the total memory torch reports for each (GiB; nvidia-smi's
 # figure is ~0.5 GiB higher: 81,559 MiB on the H100 80GB, 81,920 on the A100 80GB, 143,771 on the H200).
+# What each runs: conf.capability.
 GPU_PRESETS = {"a100_80gb": 79.2, "h100_80gb": 79.2, "h200": 139.8}
-HOPPER_PRESETS = ("h100_80gb", "h200")   # where cuDNN's attention is the faster one (kernels.attention.choose_route)
 # scripts/plan.py on a machine without a GPU plans for this GPU and host size unless told otherwise: the
 # H100 80GB and the 125 GiB MemTotal of its 128 GiB host, the machine docs/PERFORMANCE.md measures.
 PLANNING_GPU, PLANNING_HOST_GIB = "h100_80gb", 125.0

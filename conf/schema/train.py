@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from conf.capability import PRESET_COMPUTE_CAPABILITIES, gpu_capability
 from conf.errors import ConfigError
 
 TRAIN_MODES = ("lora", "full")
@@ -51,6 +52,7 @@ def check_fp8(cfg) -> None:
     if cfg.parallel.shard:
         raise ConfigError("train.fp8=true holds the base's weights as buffers, which parallel.shard=true (FSDP2) "
                           "would not shard: set parallel.shard=false or train.fp8=false")
-    if cfg.memory.gpu == "a100_80gb":
-        raise ConfigError("train.fp8=true needs FP8 tensor cores, which memory.gpu=a100_80gb lacks: set "
-                          "train.fp8=false (or plan for memory.gpu=h100_80gb or h200)")
+    if cfg.memory.gpu is not None and not gpu_capability(cfg.memory.gpu).fp8:
+        with_fp8 = [name for name in PRESET_COMPUTE_CAPABILITIES if gpu_capability(name).fp8]
+        raise ConfigError(f"train.fp8=true needs FP8 tensor cores, which memory.gpu={cfg.memory.gpu} lacks: set "
+                          f"train.fp8=false (or plan for memory.gpu={' or '.join(with_fp8)})")

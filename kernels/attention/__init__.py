@@ -7,7 +7,8 @@
   flash_attention.py, triton_kernels.py     the Triton forward and two-kernel backward (every GPU; A100 too)
   flash_attention_hopper.py, flash_attention_hopper_backward.py     the Gluon forward and one-pass backward
   cudnn_attention.py cuDNN's backward (aten ops) after our forward, on Hopper
-  support.py         what the kernels take and where they run, free of Triton (the route and planner ask it)
+  support.py         what the kernels take, free of Triton (the route and planner ask it); where they run:
+                     conf/capability.py
   attention_tape.py  attention outputs reused by a checkpoint's recomputation
   attention_workspace.py, _attention_tiles.py, tuning_cache.py, sequence_parallel.py     their helpers
 

@@ -41,13 +41,6 @@ WORKSPACE_BYTES_PER_QUERY_ELEMENT = 8
 MAX_WORKSPACE_BYTES = 4 * 2**30
 
 
-def available(device: torch.device) -> bool:
-    """Whether cuDNN attention runs on `device` and is the faster choice there (Hopper or newer)."""
-    return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
-            and torch.cuda.get_device_capability(device)[0] >= 9
-            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"))
-
-
 def supports(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> bool:
     """Whether these inputs take the cuDNN path: unpacked rows of a supported dtype and head dim."""
     return (cu_seqlens is None and q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype

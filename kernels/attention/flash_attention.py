@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from conf.schema.job import triton_interpreting
+from conf.capability import triton_interpreting
 import kernels.attention.tuning_cache as tuning_cache
 from kernels.attention.support import TRITON_DTYPES, TRITON_HEAD_DIMS, tma_compatible
 from kernels.attention.triton_kernels import (_attn_bwd_delta_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,

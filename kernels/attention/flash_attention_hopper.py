@@ -36,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from conf.capability import gpu_capability
 import kernels.attention._attention_tiles as _attention_tiles
-from kernels.attention.support import runs_hopper_code
 
 GROUP_ROWS = gl.constexpr(64)          # query rows per row group (one warp group: wgmma's M is 64)
 BLOCK_N = 128                          # keys per tile
@@ -409,7 +409,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def supports(q: torch.Tensor) -> bool:
     """Whether this kernel runs q's dtype and head dim on q's device (16-bit, D of 64 or 128, on a GPU that
-    runs Hopper code: support.runs_hopper_code)."""
-    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES and runs_hopper_code(q.device)
+    runs Hopper code: conf.capability's `hopper`)."""
+    return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in SUPPORTED_DTYPES and gpu_capability(q.device).hopper
 
 

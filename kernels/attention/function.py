@@ -13,7 +13,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from conf.schema.job import triton_interpreting
+from conf.capability import triton_interpreting
 import kernels.attention.attention_tape as attention_tape
 import kernels.attention.flash_attention as flash_attention
 import kernels.attention.flash_attention_hopper as flash_attention_hopper

@@ -33,7 +33,8 @@ import kernels.attention.attention_workspace as attention_workspace
 import kernels.attention.cudnn_attention as cudnn_attention
 import kernels.dispatch as dispatch
 import kernels.reference as reference
-from kernels.attention.support import runs_hopper_code, tma_compatible, triton_takes
+from conf.capability import GpuCapability, gpu_capability
+from kernels.attention.support import tma_compatible, triton_takes
 
 FORWARDS = ("gluon", "triton", "reference")
 BACKWARDS = ("cudnn", "gluon", "triton", "reference")
@@ -98,7 +99,7 @@ class AttentionRoute:
 
 
 def choose_route(device: torch.device, head_dim: int, backend: str, deterministic: bool = False,
-                 cudnn_fits: bool = True, dtype: torch.dtype | None = None, planned_hopper: bool | None = None,
+                 cudnn_fits: bool = True, dtype: torch.dtype | None = None, planned_gpu: GpuCapability | None = None,
                  sequence_group=None) -> AttentionRoute:
     """Which attention runs here, and why.
 
@@ -108,37 +109,33 @@ def choose_route(device: torch.device, head_dim: int, backend: str, deterministi
     - Otherwise our kernels (kernels=triton asks for them anywhere, Triton's interpreter included; a head dim
       or dtype they lack then fails at the first call, with their message): the forward is the Gluon kernel
       on a GPU that runs Hopper code (faster than Triton's and cuDNN's), else Triton's.
-    - The backward is cuDNN's where it is faster, on Hopper (cudnn_attention.available), if the job did
+    - The backward is cuDNN's where it is faster, on Hopper (conf.capability), if the job did
       not ask for bit-identical runs (cuDNN adds dQ with atomics), runs kernels=auto, and the memory plan has
       room for its workspace (`cudnn_fits`, the planner's choice among `candidates`). Else our two-kernel
       Triton backward, which needs no workspace and adds no atomics.
-    planned_hopper: planning for a GPU other than this machine's (scripts/plan.py memory.gpu=...), whether it
-    is a Hopper one. Per-call refinements (packed rows, layouts, the one-pass backward): AttentionRoute's
-    methods."""
+    planned_gpu: planning for a GPU other than this machine's (scripts/plan.py memory.gpu=...), its capability:
+    it decides the backward on a CUDA device, and the forward too where no GPU is visible. Per-call
+    refinements (packed rows, layouts, the one-pass backward): AttentionRoute's methods."""
     falls_back = backend == "auto"
     takes = triton_takes(head_dim, dtype)
     if backend == "reference" or (falls_back and not (device.type == "cuda" and takes)):
         return AttentionRoute("reference", "reference", deterministic, falls_back, sequence_group)
-    forward = "gluon" if _runs_hopper_code(device, planned_hopper) else "triton"
-    cudnn = falls_back and not deterministic and cudnn_fits and (
-        cudnn_attention.available(device) if planned_hopper is None else device.type == "cuda" and planned_hopper)
+    # The planned GPU decides the backward, whose workspace the plan counts; the forward is this machine's GPU's,
+    # or the planned one's where none is visible.
+    here = gpu_capability(device)
+    planned = planned_gpu if planned_gpu is not None and device.type == "cuda" else here
+    forward = "gluon" if (here if torch.cuda.is_available() else planned).hopper else "triton"
+    cudnn = falls_back and not deterministic and cudnn_fits and planned.cudnn_attention_backward
     return AttentionRoute(forward, "cudnn" if cudnn else "triton", deterministic, falls_back, sequence_group, takes)
 
 
 def candidates(device: torch.device, head_dim: int, backend: str, deterministic: bool = False,
-               planned_hopper: bool | None = None) -> tuple[AttentionRoute, ...]:
+               planned_gpu: GpuCapability | None = None) -> tuple[AttentionRoute, ...]:
     """The routes the memory planner tries, fastest first: `choose_route`'s where cuDNN's workspace fits,
     then where it does not (one route where both are the same)."""
-    routes = (choose_route(device, head_dim, backend, deterministic, fits, planned_hopper=planned_hopper)
+    routes = (choose_route(device, head_dim, backend, deterministic, fits, planned_gpu=planned_gpu)
               for fits in (True, False))
     return tuple(dict.fromkeys(routes))
-
-
-def _runs_hopper_code(device: torch.device, planned_hopper: bool | None) -> bool:
-    """Whether `device` runs the Gluon kernels: this machine's GPU, or without one the planned GPU."""
-    if device.type == "cuda" and planned_hopper is not None and not torch.cuda.is_available():
-        return planned_hopper
-    return runs_hopper_code(device)
 
 
 def default_route(q: torch.Tensor) -> AttentionRoute:

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from kernels.attention import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
-from kernels.attention.function import document_bounds  # noqa: E402
-from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
-from scripts import gpu_clocks  # noqa: E402
+from kernels.attention import flash_attention as fa, flash_attention_hopper as fh
+from kernels.attention.function import document_bounds
+from experiment_timing import time_in_turn  # this script's folder
+from scripts import gpu_clocks
 
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = (ROOT / "kernels" / "attention" / "flash_attention_hopper_backward.py").read_text()
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SCALE = HEAD_DIM ** -0.5

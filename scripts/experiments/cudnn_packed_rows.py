@@ -8,16 +8,13 @@ on a Hopper GPU: output and gradient errors, and times. What it found on torch 2
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.attention import flash_attention as fa, flash_attention_hopper as fh  # noqa: E402
-from kernels.attention.function import document_bounds  # noqa: E402
-import experiment_timing  # noqa: E402  (this script's folder)
+from kernels.attention import flash_attention as fa, flash_attention_hopper as fh
+from kernels.attention.function import document_bounds
+import experiment_timing  # this script's folder
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SCALE = HEAD_DIM ** -0.5

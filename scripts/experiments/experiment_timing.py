@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts import gpu_clocks  # noqa: E402
+from scripts import gpu_clocks
 
 # NVML's energy counter moves in steps too coarse for shorter timings (docs/PERFORMANCE.md, "How to measure").
 METERED_MS = 1000

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.attention import flash_attention as fa, flash_attention_hopper as new  # noqa: E402
-from kernels.attention.function import document_bounds  # noqa: E402
-from scripts import gpu_clocks  # noqa: E402
-from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
+from kernels.attention import flash_attention as fa, flash_attention_hopper as new
+from kernels.attention.function import document_bounds
+from scripts import gpu_clocks
+from experiment_timing import time_in_turn  # this script's folder
 
 
 def load(name: str, source: str):

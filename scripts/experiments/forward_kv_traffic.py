@@ -6,15 +6,12 @@ Timed in turn, metered (clock, power, work per joule over one-second cells).
     python3 scripts/experiments/forward_kv_traffic.py
 
 What it found, and the order of work items built on it: docs/PERFORMANCE.md, "Attention"."""
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kernels.attention import flash_attention as fa, flash_attention_hopper as forward  # noqa: E402
-from scripts import gpu_clocks  # noqa: E402
-from experiment_timing import time_in_turn  # noqa: E402  (this script's folder)
+from kernels.attention import flash_attention as fa, flash_attention_hopper as forward
+from scripts import gpu_clocks
+from experiment_timing import time_in_turn  # this script's folder
 
 Q_HEADS, HEAD_DIM = 32, 128
 fa.ensure_allocator(torch.device("cuda"))
