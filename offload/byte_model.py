@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conf.schema.train import fp8_base
 from kernels.attention import cudnn_attention
 from model.config import DecoderConfig
 from model.family import norm_shapes, projection_shapes, saved_by_qk_norm
@@ -114,11 +115,6 @@ def _adapter_parameters(arch: DecoderConfig, train_cfg, names: Iterable[str]) ->
     """LoRA parameters of one layer's adapters on the projections in `names`."""
     shapes = projection_shapes(arch)
     return sum(train_cfg.lora_r * sum(shapes[name]) for name in names if name in train_cfg.lora_target_modules)
-
-
-def fp8_base(train_cfg) -> bool:
-    """Whether the frozen base's projections are held in FP8 (train.fp8 with LoRA, model/fp8.py)."""
-    return getattr(train_cfg, "fp8", False) and train_cfg.mode == "lora"
 
 
 def frozen_weight_bytes(arch: DecoderConfig, train_cfg, frozen: int, weight_bytes: int) -> int:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conf.schema.train import fp8_base
 from kernels.attention import AttentionRoute
 from model.config import DecoderConfig
 from offload.byte_model import (GPU_FILL, GPU_RESERVE, HOST_BASELINE, TRAINABLE_BYTES, Capacity, Shape,
-                                eval_forward_bytes, fp8_base, fp8_transient_bytes, frozen_weight_bytes,
+                                eval_forward_bytes, fp8_transient_bytes, frozen_weight_bytes,
                                 full_layer_bytes, layer_parameters, parameter_counts, pinned_size,
                                 sequence_exchange_bytes, top_layer_full_costs_nothing, transient_bytes)
 from offload.placement import FULLEST_MOMENT, MADE_LAST, PREFETCH_SLOT, GpuRoom, keep_layers, with_full_layers

@@ -96,3 +96,22 @@ def test_the_check_catches_a_raw_read(tmp_path, monkeypatch, source, expected):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "x.py").write_text(source)
     assert len(raw_reads([tmp_path / "x.py"])) == expected
+
+
+# "Is the base FP8" (train.fp8 with LoRA): conf.schema.train.fp8_base decides; no other module reads the setting.
+READS_FP8 = {"conf/schema/train.py"}
+
+
+def fp8_setting_reads(path: Path) -> list[int]:
+    """Lines of `path` reading a train config's fp8 (`cfg.train.fp8`, `train_cfg.fp8`), found in its syntax tree."""
+    import ast
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and node.attr == "fp8" and (getattr(node.value, "attr", None) == "train"
+                                        or getattr(node.value, "id", None) == "train_cfg")]
+
+
+def test_whether_the_base_is_fp8_is_decided_in_one_place(tmp_path):
+    files = [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))]
+    assert {str(path.relative_to(ROOT)) for path in files if fp8_setting_reads(path)} == READS_FP8
+    (tmp_path / "x.py").write_text("if cfg.train.fp8:\n    quantize(model)\nlog(f'{train_cfg.fp8}')\n")
+    assert fp8_setting_reads(tmp_path / "x.py") == [1, 3]

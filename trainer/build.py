@@ -13,6 +13,7 @@ import kernels
 from conf.capability import gpu_capability
 from conf.schema.memory import GPU_PRESETS, PLANNING_GPU
 from conf.schema.parallel import world_size
+from conf.schema.train import fp8_base
 from conf.validate import ConfigError
 from kernels.attention import AttentionRoute
 from model import CausalLM, DecoderConfig
@@ -95,7 +96,7 @@ def check_fp8_job(cfg, device: torch.device) -> None:
     """train.fp8=true needs Hopper's FP8 tensor cores (compute capability 9.0: cuBLAS's row-scaled FP8 product,
     the one measured) and projection widths it takes: ConfigError on the CPU, on older GPUs (the A100) and for
     odd widths."""
-    if not cfg.train.fp8:
+    if not fp8_base(cfg.train):
         return
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"train.fp8=true needs a CUDA GPU with FP8 tensor cores (H100/H200, compute capability "
@@ -155,7 +156,7 @@ def build_model(cfg, device: torch.device, plan: MemoryPlan, resumed: bool = Fal
     model.train_rope_at(cfg.seq_len)
     if cfg.train.mode == "lora":
         model = lora_model(model, cfg.train, lora_base_path(cfg))
-    if cfg.train.fp8:
+    if fp8_base(cfg.train):
         log.info("FP8 base: %d projections held in e4m3 with row scales", quantize_frozen_base(model))
     install_attention_route(model, dataclasses.replace(plan.attention_route, sequence_group=sequence_group))
     policy = apply_memory_policy(model, plan.placements, plan.mlp_tiles, device, plan.attention)

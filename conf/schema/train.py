@@ -32,6 +32,12 @@ class TrainConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
+def fp8_base(train_cfg) -> bool:
+    """Whether the frozen base's projections are held in FP8 (model/fp8.py): train.fp8 with LoRA. Decided here
+    alone: the planner counts the base's bytes by it, the build quantizes by it, the checks refuse by it."""
+    return bool(getattr(train_cfg, "fp8", False)) and train_cfg.mode == "lora"
+
+
 def check_train(train_cfg) -> None:
     if train_cfg.mode not in TRAIN_MODES:
         raise ConfigError(f"train.mode={train_cfg.mode!r} is not one of {TRAIN_MODES} "
@@ -47,7 +53,7 @@ def check_train(train_cfg) -> None:
 
 def check_fp8(cfg) -> None:
     """train.fp8 against the GPU planned for (the GPU present, and the architecture's widths: trainer.build)."""
-    if not cfg.train.fp8:
+    if not fp8_base(cfg.train):
         return
     if cfg.parallel.shard:
         raise ConfigError("train.fp8=true holds the base's weights as buffers, which parallel.shard=true (FSDP2) "
