@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from model import CausalLM, DecoderConfig, HFCheckpointError
 from model.family import FAMILIES, LayerOps, ModelFamily, register_family
-from tests.jobs_support import job_config, losses, single_torch_thread  # noqa: F401
+from tests.jobs_support import REPO, job_config, losses, single_torch_thread  # noqa: F401
 from trainer.loop import train
 
 VOCAB = 101
@@ -225,3 +225,70 @@ def test_qwen3_on_our_gpu_kernels_against_the_fp32_reference():
         ref_grad = ref_params[name].grad
         error = (param.grad.float() - ref_grad).norm() / ref_grad.norm()
         assert torch.isfinite(param.grad).all() and error < 5e-2, (name, float(error))
+
+
+TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def qwen3_checkpoint(directory):
+    """A tiny transformers Qwen3 (QK-norm, head_dim apart from hidden/heads) with the recall task's vocabulary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def logits_of(model) -> torch.Tensor:
+    from model import unwrap_model
+    with torch.no_grad():
+        return model(TOKENS) @ unwrap_model(model).lm_head.weight.t()
+
+
+def transformers_logits(directory) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)(TOKENS).logits
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_qwen3_trains_evaluates_resumes_and_exports_through_the_trainer(tmp_path, mode):
+    """A Qwen3 checkpoint trained through the trainer (evaluated every 2 steps, interrupted at step 2 and
+    resumed to the straight run's losses), then exported: the merged model loads in transformers as
+    Qwen3ForCausalLM with our logits, and a LoRA adapter loads with peft onto transformers' Qwen3 alike."""
+    import subprocess
+    import sys
+
+    from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
+    base = qwen3_checkpoint(tmp_path / "base")
+    job = [f"train={mode}", f"model.path={base}", "model.family=qwen3", "optim.lr=1e-2", "eval.every_steps=2",
+           "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
+    train(job_config(tmp_path / "straight", *job, "max_steps=4"))
+    train(job_config(tmp_path / "resumed", *job, "max_steps=2"))
+    train(job_config(tmp_path / "resumed", *job, "max_steps=4"))
+    from tests.jobs_support import records
+
+    def step_losses(run):
+        return [record["loss"] for record in records(run) if "loss" in record]
+    assert len(step_losses(tmp_path / "straight")) == 4
+    assert step_losses(tmp_path / "resumed") == step_losses(tmp_path / "straight")
+    assert [record["step"] for record in records(tmp_path / "straight") if "eval/loss" in record] == [0, 2, 4]
+
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step-4"
+    done = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), str(tmp_path / "hf")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    if mode == "lora":
+        ours = logits_of(load_adapter(CausalLM.from_pretrained(base, dtype=torch.float32), checkpoint / ADAPTER_DIR))
+        from peft import AutoPeftModelForCausalLM
+        adapter = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint / ADAPTER_DIR), dtype=torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(adapter(TOKENS).logits, ours, rtol=1e-4, atol=1e-4)
+    else:
+        ours = logits_of(CausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32))
+    assert not torch.allclose(ours, transformers_logits(base), atol=1e-3)       # training changed the model
+    torch.testing.assert_close(transformers_logits(tmp_path / "hf"), ours, rtol=1e-4, atol=1e-4)
