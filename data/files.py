@@ -14,7 +14,7 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.documents import log_positions_beyond, split_documents
+from data.documents import log_positions_beyond, split_documents, trained_positions
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
 from data.records import load_records, record_format, record_name, resolve_source
 from data.tokenize import (DataError, RecordError, check_vocabulary, load_tokenizer, tokenize_chat, tokenize_texts,
@@ -151,8 +151,11 @@ class PackedDocuments:
         self._plan_epoch(0)
         kept = self.pieces[:, 2] - self.pieces[:, 1]
         present = lengths[lengths > 0]
+        # Counted where the rows train them: a token that starts a piece (every token at seq_len=1) predicts
+        # nothing, and a dropped document's tokens are not trained.
         self.stats = DataStats(documents=len(present), tokens=int(lengths.sum()),
-                               targets=int(int_column(documents, "targets").sum()), sequences=self.rows_in_epoch,
+                               targets=trained_positions(documents, seq_len, long_docs, 0)[0],
+                               sequences=self.rows_in_epoch,
                                padding_fraction=1 - kept.sum() / (self.rows_in_epoch * seq_len),
                                long_docs=long_counts, seq_len=seq_len,
                                length_percentiles={p: int(np.percentile(present, p, method="higher"))
@@ -249,6 +252,23 @@ def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: i
     return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs_policy(cfg, fmt), pad_id)
 
 
+def nothing_to_train(cfg: DataConfig, fmt: str, stats: DataStats, document_targets: int) -> str:
+    """The line refusing data whose rows train no token: the file, the count, and the setting that would help
+    (`document_targets`: the targets the documents hold before they are cut into rows of seq_len)."""
+    if stats.seq_len < 2:
+        fix = f"a row of seq_len={stats.seq_len} token predicts nothing: raise seq_len"
+    elif not document_targets and fmt == "chat" and cfg.loss_on != "all":
+        fix = (f"no record has an assistant reply to train on (data.loss_on={cfg.loss_on} trains only those): add "
+               f"assistant turns, or set data.loss_on=all to train on every token")
+    elif stats.long_docs.dropped:
+        fix = (f"the documents with tokens to train on are longer than seq_len={stats.seq_len} and dropped: raise "
+               f"seq_len or set data.long_docs=truncate")
+    else:
+        fix = "each document's trained tokens start its row, where they predict nothing: raise seq_len"
+    return (f"data.path={cfg.path!r}: 0 of its {stats.tokens:,} tokens in {stats.documents:,} documents would be "
+            f"trained on: {fix}")
+
+
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
                       tokenizer_path: str, trained_context: int | None = None,
                       held_out: float = 0.0) -> PackedDocuments:
@@ -260,6 +280,8 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
         documents = documents.select(split_documents(len(documents), held_out)[0])
     stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
+    if not stream.stats.targets:
+        raise DataError(nothing_to_train(cfg, fmt, stream.stats, int(int_column(documents, "targets").sum())))
     if warning := stream.stats.padding_warning():
         log.warning(warning)
     if trained_context is not None and trained_context < seq_len:

@@ -27,12 +27,12 @@ from omegaconf import OmegaConf
 import kernels
 from conf.schema.job import resolve_device
 from conf.validate import validate
-from data import build_data, preflight_data
+from data import DataError, build_data, preflight_data
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.architecture import context_summary, record_architecture, trained_context
+from trainer.architecture import context_summary, model_architecture, record_architecture, trained_context
 from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
                            release_sequence_group)
 from trainer.checkpoint.format import Progress
@@ -133,6 +133,8 @@ class Job:
     # checkpoint comes first): the one place evaluation and other per-step work plug in (docs/JOBS.md,
     # "Metrics").
     after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
+    # Target tokens this job's steps trained on (of all ranks): none at the last step is a failed job.
+    trained: int = 0
 
 
 def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
@@ -152,15 +154,17 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
 def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
               world: World) -> Job:
-    """Choose the checkpoint to resume, build the model (and check it fits the checkpoint), write config.yaml,
-    build the data, optimizer and records, and restore the checkpoint's state last (so the RNG streams continue
-    exactly where it left them)."""
+    """Choose the checkpoint to resume, build the data, build the model (and check it fits the checkpoint),
+    write config.yaml, build the optimizer and records, and restore the checkpoint's state last (so the RNG
+    streams continue exactly where it left them)."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = agreed_checkpoint(cfg, checkpoints, world)
     world.barrier()     # every rank has read it before rank 0 writes anything
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    # Before the model: data that cannot train (trains no token, a bad record) stops the job at no cost.
+    stream = data_stream(cfg, model_architecture(cfg).vocab_size, world)
     built = build_model(cfg, device, plan, resumed=loaded is not None,
                         sequence_group=world.sequence_group if world.sequence > 1 else None)
     model = built.model
@@ -173,7 +177,6 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
-    stream = data_stream(cfg, model.config.vocab_size, world)
     evaluator = build_evaluator(cfg, model, device, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
@@ -274,7 +277,18 @@ def run_steps(job: Job) -> dict:
                 job.guard.stop(step, last_good_checkpoint(job))
             if checkpoint_after(job, step, applied, stopping, due):
                 break
+    check_trained(job)
     return record
+
+
+def check_trained(job: Job) -> None:
+    """DataError when the job ran its steps to max_steps without one target token: its loss was 0 throughout
+    and nothing was learned (data the checks before the build let through), so it must not exit 0."""
+    ran = job.progress.step - job.first_step
+    if ran and job.progress.step == job.cfg.max_steps and not job.trained:
+        raise DataError(f"no step of this run trained a token: its {ran} steps read no target, so the loss was 0 "
+                        f"and nothing was learned: check data.* and seq_len={job.cfg.seq_len} (docs/DATA.md); "
+                        f"{job.last_checkpoint} holds what the steps did")
 
 
 def last_good_checkpoint(job: Job) -> Path | None:
@@ -296,6 +310,7 @@ def run_step(job: Job, step: int) -> tuple[bool, dict]:
     wait_for_device(device)
     step_time = time.perf_counter() - started
     job.guard.record(result.applied)
+    job.trained += result.supervised
     progress = job.progress
     progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
     progress.skipped_steps = job.guard.skipped
