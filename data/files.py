@@ -17,8 +17,8 @@ from data.batch import Batch
 from data.documents import log_positions_beyond, split_documents, trained_positions
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
 from data.records import load_records, record_format, record_name, resolve_source
-from data.tokenize import (DataError, RecordError, check_vocabulary, load_tokenizer, tokenize_chat, tokenize_texts,
-                           tokenizer_files)
+from data.tokenize import (DataError, RecordError, check_text, check_vocabulary, load_tokenizer, tokenize_chat,
+                           tokenize_texts, tokenizer_files)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ def tokenize_batch(batch: dict, indices: list[int], tokenizer, fmt: str, field: 
         documents = [tokenize_chat(messages, tokenizer, loss_on, bos_id, eos_id, record=index)
                      for messages, index in zip(batch[field], indices)]
     else:
+        for text, index in zip(batch[field], indices):
+            check_text(text, field, index)
         documents = tokenize_texts(batch[field], tokenizer, bos_id, eos_id)
     return {"input_ids": [ids for ids, _ in documents], "is_target": [mask for _, mask in documents],
             "length": [len(ids) for ids, _ in documents], "targets": [sum(mask[1:]) for _, mask in documents]}

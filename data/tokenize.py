@@ -84,6 +84,17 @@ def tokenize_texts(texts: list[str], tokenizer, bos_id: int | None, eos_id: int 
     return [with_bos_eos(ids, [True] * len(ids), bos_id, eos_id) for ids in encoded]
 
 
+def check_text(text, field: str, record: int) -> None:
+    """RecordError unless the `record`-th (0-based) record's `field` is a string: the tokenizer would fail on
+    None or a number without naming the record, and read a list as a text pair."""
+    if text is None:
+        raise RecordError(record, f"has no {field!r} (missing or null): give every record its text, or remove it")
+    if not isinstance(text, str):
+        shown = repr(text) if len(repr(text)) <= 60 else repr(text)[:57] + "..."
+        raise RecordError(record, f"{field!r} is {type(text).__name__} ({shown}), not a string: give the text as "
+                                  f"one string")
+
+
 def check_messages(messages, record: int) -> None:
     """RecordError for the `record`-th (0-based) record's messages, naming the message 1-based."""
     if not isinstance(messages, list) or not messages:

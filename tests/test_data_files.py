@@ -226,3 +226,24 @@ def test_rows_mostly_padding_are_warned_about_with_the_numbers(tmp_path, checkpo
     caplog.clear()
     build_data(files_config(path, tmp_path), 8, 1, 0, 64, str(checkpoint))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+# --- issue 47: every bad record named by file and 1-based record, with what is wrong ---
+
+@pytest.mark.parametrize("record,problem", [
+    ({"other": "x"}, "has no 'text' (missing or null)"),
+    ({"text": None}, "has no 'text' (missing or null)"),
+    ({"text": 5}, "'text' is int (5), not a string"),
+    ({"text": ["the cat", "sat"]}, "'text' is list (['the cat', 'sat']), not a string"),
+])
+def test_a_text_record_that_is_not_a_string_is_named_with_its_file_and_record(tmp_path, checkpoint, record, problem):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "the cat"}, record, {"text": "a dog"}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert str(refused.value).startswith(f"{path} record 2, {problem}")
+
+
+def test_text_given_as_lists_is_refused_not_tokenized_as_text_pairs(tmp_path, checkpoint):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": ["the cat", "sat on"]}, {"text": ["a dog", "ran"]}])
+    with pytest.raises(DataError, match=f"^{path} record 1, 'text' is list"):
+        build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
