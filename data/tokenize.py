@@ -160,11 +160,16 @@ def tokenize_chat(messages: list[dict], tokenizer, loss_on: str, bos_id: int | N
                   record: int = 0) -> Document:
     """A conversation rendered with the tokenizer's chat template (or FALLBACK_CHAT_TEMPLATE), targets
     set by `loss_on`: all tokens, every assistant reply, or the last one."""
+    from jinja2 import TemplateError
     check_messages(messages, record)
     render = chat_renderer(tokenizer)
     trained = trained_replies(messages, loss_on)
-    # Training on everything needs no reply boundaries, so any template works for loss_on=all.
-    segments = [(render(messages, False), None)] if trained is None else chat_segments(messages, render)
+    try:
+        # Training on everything needs no reply boundaries, so any template works for loss_on=all.
+        segments = [(render(messages, False), None)] if trained is None else chat_segments(messages, render)
+    except TemplateError as error:      # raise_exception in templates that enforce an order of roles
+        raise RecordError(record, f"the tokenizer's chat template refuses it: {error} (fix the record, or give a "
+                                  f"tokenizer whose template takes it)") from None
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     is_target: list[bool] = []

@@ -247,3 +247,21 @@ def test_text_given_as_lists_is_refused_not_tokenized_as_text_pairs(tmp_path, ch
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": ["the cat", "sat on"]}, {"text": ["a dog", "ran"]}])
     with pytest.raises(DataError, match=f"^{path} record 1, 'text' is list"):
         build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
+
+
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|{{ message['role'] }}|> {{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def test_a_chat_template_that_refuses_a_record_is_named_with_the_file_record_and_its_message(tmp_path):
+    from tests.data_support import save_tokenizer
+    save_tokenizer(tmp_path / "tokenizer", chat_template=ALTERNATING_TEMPLATE)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}, {"messages": CHAT[1:2] + CHAT[3:4]}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(tmp_path / "tokenizer"))
+    assert str(refused.value) == (f"{path} record 2, the tokenizer's chat template refuses it: Conversation roles "
+                                  f"must alternate user/assistant/user/assistant/... (fix the record, or give a "
+                                  f"tokenizer whose template takes it)")
