@@ -234,7 +234,7 @@ def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_p
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
     source = resolve_source(path, setting)
     records = load_records(source, cfg)
-    fmt, field = record_format(cfg, records.column_names, source)
+    fmt, field = record_format(cfg, records, source)
     try:
         documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
     except RecordError as error:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conf.schema.data import DataConfig
-from data.file_problems import files_problem, has_text, record_place
+from data.file_problems import files_problem, has_records, record_place
 from data.tokenize import DataError, check_tokenizer_files
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
@@ -59,11 +59,13 @@ def resolve_source(path: str, setting: str = "data.path") -> LocalSource:
     unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
     if unreadable:
         raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
-    # datasets' readers fail obscurely on empty files and files of blank lines; they hold no records anyway.
-    non_empty = [file for file in supported if file.stat().st_size > 0 and has_text(file)]
+    # datasets' readers fail obscurely on empty files, files of blank lines and parquet files without rows;
+    # they hold no records anyway.
+    builder = builders.pop()
+    non_empty = [file for file in supported if file.stat().st_size > 0 and has_records(file, builder)]
     if not non_empty:
         raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only")
-    return LocalSource(path, non_empty, builders.pop(), setting)
+    return LocalSource(path, non_empty, builder, setting)
 
 
 def preflight_files(cfg: DataConfig, tokenizer_path: str, eval_path: str | None = None) -> None:
@@ -112,14 +114,34 @@ def load_records(source: LocalSource, cfg: DataConfig):
     return records
 
 
-def record_format(cfg: DataConfig, columns: list[str], source: LocalSource) -> tuple[str, str]:
-    """(format, field): chat when asked for or when auto finds the messages field, else text."""
+def record_format(cfg: DataConfig, records, source: LocalSource) -> tuple[str, str]:
+    """(format, field) of the datasets.Dataset `records`: chat when asked for or when auto finds the messages
+    field, else text."""
+    columns = records.column_names
     chat = cfg.format == "chat" or (cfg.format == "auto" and cfg.messages_field in columns)
     option, field = ("messages_field", cfg.messages_field) if chat else ("text_field", cfg.text_field)
     if field not in columns:
         raise DataError(f"records in {source.setting}={source.path!r} have no field {field!r} (data.{option}); "
                         f"fields present: {columns}. Set data.{option}=<one of them>")
+    if cfg.format == "auto" and chat and cfg.text_field in columns:
+        check_one_kind(records, cfg, source)
     return ("chat" if chat else "text"), field
+
+
+def check_one_kind(records, cfg: DataConfig, source: LocalSource) -> None:
+    """DataError naming the first record of the fewer kind when chat records (a messages field) and text
+    records (a text field and no messages) are mixed in one file: auto reads them all as chat, and would
+    name the first text record as a chat record without messages."""
+    table = records.with_format("arrow", columns=[cfg.messages_field, cfg.text_field])[:]
+    chat = table.column(cfg.messages_field).is_valid().to_numpy(zero_copy_only=False)
+    text = ~chat & table.column(cfg.text_field).is_valid().to_numpy(zero_copy_only=False)
+    if not chat.any() or not text.any():
+        return
+    kinds = [("chat", cfg.messages_field, chat), ("text", cfg.text_field, text)]
+    (kind, field, fewer), (other, other_field, more) = sorted(kinds, key=lambda entry: entry[2].sum())
+    raise DataError(f"{record_name(source, cfg, int(fewer.argmax()))} is a {kind} record ({field!r}) among "
+                    f"{int(more.sum()):,} {other} records ({other_field!r}) in {source.setting}={source.path!r}: one "
+                    f"data.path holds one kind of record: move the {kind} records to files of their own")
 
 
 

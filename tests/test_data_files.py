@@ -265,3 +265,33 @@ def test_a_chat_template_that_refuses_a_record_is_named_with_the_file_record_and
     assert str(refused.value) == (f"{path} record 2, the tokenizer's chat template refuses it: Conversation roles "
                                   f"must alternate user/assistant/user/assistant/... (fix the record, or give a "
                                   f"tokenizer whose template takes it)")
+
+
+def test_a_parquet_file_without_rows_is_skipped_like_an_empty_file_and_named_when_alone(tmp_path, checkpoint):
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.table({"text": pyarrow.array([], pyarrow.string())}), tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=f"^data.path='{tmp_path / 'a.parquet'}' holds no records"):
+        build_data(files_config(tmp_path / "a.parquet", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    pyarrow.parquet.write_table(pyarrow.table({"text": ["the cat sat"]}), tmp_path / "b.parquet")
+    stream = build_data(files_config(tmp_path / "*.parquet", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert stream.stats.documents == 1
+
+
+def test_a_text_file_that_is_not_utf8_is_named_with_the_fix(tmp_path, checkpoint):
+    (tmp_path / "good.txt").write_text("the cat sat\n")
+    (tmp_path / "latin.txt").write_bytes("the cat sat on the mat\nin the café\n".encode("latin-1"))
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(tmp_path / "*.txt", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert str(refused.value) == (
+        f"could not read data.path='{tmp_path / '*.txt'}': {tmp_path / 'latin.txt'} is not UTF-8 text (byte 0xe9 "
+        f"at offset 33): convert it, e.g. iconv -f latin1 -t utf-8 {tmp_path / 'latin.txt'} > "
+        f"{tmp_path / 'latin.utf8.txt'}")
+
+
+def test_a_chat_record_among_text_records_is_named_as_such(tmp_path, checkpoint):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "the cat"}, {"text": "a dog"}, {"messages": CHAT}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(checkpoint))
+    assert str(refused.value).startswith(f"{path} record 3 is a chat record ('messages') among 2 text records "
+                                         f"('text') in data.path='{path}'")
