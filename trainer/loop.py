@@ -40,7 +40,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
-from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
+from trainer.evaluate import Evaluator, build_evaluator, check_passkey, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -87,6 +87,7 @@ def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None =
     training = validate(cfg)
     record_architecture(cfg, given_keys=given_keys)
     preflight_data(cfg.data, cfg.model.path, cfg.eval.path)
+    check_passkey(cfg)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
     try:
