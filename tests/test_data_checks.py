@@ -149,3 +149,18 @@ def test_a_run_on_data_that_trains_no_token_stops_before_the_model_is_built(tmp_
                      f"output_dir={tmp_path / 'run'}")
     with pytest.raises(DataError, match="0 of its"):
         trainer.loop.train(cfg)
+
+
+def test_train_py_stops_on_data_that_trains_no_token_with_one_line_and_exit_2(tmp_path, checkpoint):
+    from tests.data_support import write_jsonl
+    from tests.jobs_support import train_process
+    path = write_jsonl(tmp_path / "system.jsonl", [{"messages": [{"role": "system", "content": "be brief"}]}] * 2)
+    done = train_process(tmp_path / "run", "data=chat", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}",
+                         "model=tiny", f"model.path={checkpoint}", "seq_len=16")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output
+    [line] = [line for line in output.splitlines() if "0 of its" in line]
+    assert re.search(re.escape(f"data.path='{path}': 0 of its ") + r"\d+ tokens in 2 documents would be trained on: "
+                     + re.escape("no record has an assistant reply to train on (data.loss_on=assistant trains only "
+                                 "those): add assistant turns, or set data.loss_on=all to train on every token") + "$",
+                     line)
