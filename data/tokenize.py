@@ -170,6 +170,8 @@ def tokenize_chat(messages: list[dict], tokenizer, loss_on: str, bos_id: int | N
     except TemplateError as error:      # raise_exception in templates that enforce an order of roles
         raise RecordError(record, f"the tokenizer's chat template refuses it: {error} (fix the record, or give a "
                                   f"tokenizer whose template takes it)") from None
+    except DataError as error:          # suffix_after: replies cannot be located in this record's rendering
+        raise RecordError(record, str(error)) from None
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     is_target: list[bool] = []

@@ -295,3 +295,12 @@ def test_a_chat_record_among_text_records_is_named_as_such(tmp_path, checkpoint)
         build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(checkpoint))
     assert str(refused.value).startswith(f"{path} record 3 is a chat record ('messages') among 2 text records "
                                          f"('text') in data.path='{path}'")
+
+
+def test_a_chat_template_that_renders_a_record_differently_once_more_follow_names_the_record(tmp_path):
+    from tests.data_support import save_tokenizer
+    counting = "{{ messages | length }} {% for message in messages %}{{ message['content'] }} {% endfor %}"
+    save_tokenizer(tmp_path / "tokenizer", chat_template=counting)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}])
+    with pytest.raises(DataError, match=f"^{path} record 1, the chat template renders a conversation's first "):
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(tmp_path / "tokenizer"))
