@@ -66,3 +66,16 @@ def test_a_run_whose_steps_train_no_token_does_not_end_as_a_success(tmp_path, mo
         train(job_config(tmp_path, "max_steps=2"))
     assert [r["step"] for r in records(tmp_path)] == [1, 2]
     assert (tmp_path / "checkpoints" / "step-2").is_dir()        # what it did is kept
+
+
+def test_a_run_whose_every_step_was_skipped_as_nan_does_not_end_as_a_success(tmp_path, monkeypatch):
+    import dataclasses
+
+    import pytest
+
+    from data import DataError
+    real_step = trainer.loop.train_step
+    monkeypatch.setattr(trainer.loop, "train_step",        # fewer steps than max_bad_steps, none applied
+                        lambda *a, **k: dataclasses.replace(real_step(*a, **k), loss=float("nan"), applied=False))
+    with pytest.raises(DataError, match="^no step of this run trained a token: each of its 2 steps read no target"):
+        train(job_config(tmp_path, "max_steps=2"))

@@ -134,7 +134,7 @@ class Job:
     # checkpoint comes first): the one place evaluation and other per-step work plug in (docs/JOBS.md,
     # "Metrics").
     after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
-    # Target tokens this job's steps trained on (of all ranks): none at the last step is a failed job.
+    # Target tokens of this job's applied steps (of all ranks): none at the last step is a failed job.
     trained: int = 0
 
 
@@ -283,13 +283,14 @@ def run_steps(job: Job) -> dict:
 
 
 def check_trained(job: Job) -> None:
-    """DataError when the job ran its steps to max_steps without one target token: its loss was 0 throughout
-    and nothing was learned (data the checks before the build let through), so it must not exit 0."""
+    """DataError when the job ran its steps to max_steps without training one target token (each step read
+    none, a loss of 0, or was skipped for a NaN/Inf loss): nothing was learned, so it must not exit 0."""
     ran = job.progress.step - job.first_step
     if ran and job.progress.step == job.cfg.max_steps and not job.trained:
-        raise DataError(f"no step of this run trained a token: its {ran} steps read no target, so the loss was 0 "
-                        f"and nothing was learned: check data.* and seq_len={job.cfg.seq_len} (docs/DATA.md); "
-                        f"{job.last_checkpoint} holds what the steps did")
+        raise DataError(f"no step of this run trained a token: each of its {ran} steps read no target (loss 0) or "
+                        f"was skipped (loss or gradients NaN/Inf), so nothing was learned: check data.*, seq_len="
+                        f"{job.cfg.seq_len} and model.rope_* (docs/DATA.md); {job.last_checkpoint} holds what the "
+                        f"steps did")
 
 
 def last_good_checkpoint(job: Job) -> Path | None:
@@ -311,7 +312,7 @@ def run_step(job: Job, step: int) -> tuple[bool, dict]:
     wait_for_device(device)
     step_time = time.perf_counter() - started
     job.guard.record(result.applied)
-    job.trained += result.supervised
+    job.trained += result.supervised if result.applied else 0
     progress = job.progress
     progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
     progress.skipped_steps = job.guard.skipped
