@@ -278,19 +278,7 @@ def run_steps(job: Job) -> dict:
                 job.guard.stop(step, last_good_checkpoint(job))
             if checkpoint_after(job, step, applied, stopping, due):
                 break
-    check_trained(job)
     return record
-
-
-def check_trained(job: Job) -> None:
-    """DataError when the job ran its steps to max_steps without training one target token (each step read
-    none, a loss of 0, or was skipped for a NaN/Inf loss): nothing was learned, so it must not exit 0."""
-    ran = job.progress.step - job.first_step
-    if ran and job.progress.step == job.cfg.max_steps and not job.trained:
-        raise DataError(f"no step of this run trained a token: each of its {ran} steps read no target (loss 0) or "
-                        f"was skipped (loss or gradients NaN/Inf), so nothing was learned: check data.*, seq_len="
-                        f"{job.cfg.seq_len} and model.rope_* (docs/DATA.md); {job.last_checkpoint} holds what the "
-                        f"steps did")
 
 
 def last_good_checkpoint(job: Job) -> Path | None:
@@ -336,7 +324,8 @@ def record_step(job: Job, step: int, applied: bool, metrics: dict) -> dict:
 
 def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bool) -> bool:
     """Checkpoint after `step` when the job is `stopping` (a signal), at the last step, or when one is `due`
-    after a good step; returns whether the job stops here."""
+    after a good step; returns whether the job stops here. After the last step's checkpoint, a job that trained
+    no token fails (check_trained)."""
     # A skipped step left the weights untouched, so saving after it is safe; periodic saves still wait for a
     # good step, so "the last checkpoint" is never taken mid-divergence.
     if stopping or step == job.cfg.max_steps or (applied and due):
@@ -344,9 +333,22 @@ def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bo
         job.last_checkpoint = job.checkpoints.save(job.model, job.optimizer, job.scheduler, job.stream, job.progress,
                                                    job.config_yaml, job.world)
         job.bar.write(f"checkpoint {job.last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
+    if step == job.cfg.max_steps:
+        check_trained(job)
     if stopping:
         job.bar.write(f"stopped by signal after step {step}; continue with output_dir={job.run_dir}")
     return stopping
+
+
+def check_trained(job: Job) -> None:
+    """DataError when the job ran its steps to max_steps without training one target token (each step read
+    none, a loss of 0, or was skipped for a NaN/Inf loss): nothing was learned, so it must not exit 0."""
+    ran = job.progress.step - job.first_step
+    if ran and not job.trained:
+        raise DataError(f"no step of this run trained a token: each of its {ran} steps read no target (loss 0) or "
+                        f"was skipped (loss or gradients NaN/Inf), so nothing was learned: check data.*, seq_len="
+                        f"{job.cfg.seq_len} and model.rope_* (docs/DATA.md); {job.last_checkpoint} holds what the "
+                        f"steps did")
 
 
 def finish_job(job: Job, completed: bool) -> None:
