@@ -130,8 +130,8 @@ def record_format(cfg: DataConfig, records, source: LocalSource) -> tuple[str, s
 
 def check_one_kind(records, cfg: DataConfig, source: LocalSource) -> None:
     """DataError naming the first record of the fewer kind when chat records (a messages field) and text
-    records (a text field and no messages) are mixed in one file: auto reads them all as chat, and would
-    name the first text record as a chat record without messages."""
+    records (a text field and no messages) are mixed: auto reads them all as chat, and would name the first
+    text record as a chat record without messages."""
     table = records.with_format("arrow", columns=[cfg.messages_field, cfg.text_field])[:]
     chat = table.column(cfg.messages_field).is_valid().to_numpy(zero_copy_only=False)
     text = ~chat & table.column(cfg.text_field).is_valid().to_numpy(zero_copy_only=False)
@@ -142,7 +142,6 @@ def check_one_kind(records, cfg: DataConfig, source: LocalSource) -> None:
     raise DataError(f"{record_name(source, cfg, int(fewer.argmax()))} is a {kind} record ({field!r}) among "
                     f"{int(more.sum()):,} {other} records ({other_field!r}) in {source.setting}={source.path!r}: one "
                     f"data.path holds one kind of record: move the {kind} records to files of their own")
-
 
 
 def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
