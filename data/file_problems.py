@@ -101,7 +101,12 @@ def shown(files: list[Path]) -> str:
 
 def has_records(file: Path, builder: str) -> bool:
     """Whether `file` may hold records: a parquet file has rows (datasets' reader fails on one without: 'An
-    error occurred while generating the dataset'), any other file anything but whitespace (has_text)."""
+    error occurred while generating the dataset'), a json file is not an empty array ('corresponds to no
+    data'), any file holds anything but whitespace (has_text)."""
+    if builder == "json" and has_text(file):
+        with file.open("rb") as data:
+            start = data.read(4096).lstrip(WHITESPACE)
+        return not (start.startswith(b"[") and start[1:].lstrip(WHITESPACE).startswith(b"]"))
     if builder != "parquet":
         return has_text(file)
     import pyarrow.parquet

@@ -64,7 +64,8 @@ def resolve_source(path: str, setting: str = "data.path") -> LocalSource:
     builder = builders.pop()
     non_empty = [file for file in supported if file.stat().st_size > 0 and has_records(file, builder)]
     if not non_empty:
-        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only")
+        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only "
+                        f"(or an empty JSON array, a parquet file without rows)")
     return LocalSource(path, non_empty, builder, setting)
 
 

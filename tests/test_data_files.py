@@ -278,6 +278,14 @@ def test_a_parquet_file_without_rows_is_skipped_like_an_empty_file_and_named_whe
     assert stream.stats.documents == 1
 
 
+def test_an_empty_json_array_is_skipped_like_an_empty_file(tmp_path, checkpoint):
+    (tmp_path / "a.json").write_text(" [\n ]\n")
+    with pytest.raises(DataError, match=f"^data.path='{tmp_path / 'a.json'}' holds no records"):
+        build_data(files_config(tmp_path / "a.json", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    (tmp_path / "b.json").write_text('[{"text": "the cat sat"}]')
+    assert build_data(files_config(tmp_path / "*.json", tmp_path), 16, 1, 0, 64, str(checkpoint)).stats.documents == 1
+
+
 def test_a_text_file_that_is_not_utf8_is_named_with_the_fix(tmp_path, checkpoint):
     (tmp_path / "good.txt").write_text("the cat sat\n")
     (tmp_path / "latin.txt").write_bytes("the cat sat on the mat\nin the café\n".encode("latin-1"))
