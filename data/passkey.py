@@ -24,7 +24,7 @@ from data.tokenize import DataError
 
 INSTRUCTION = ("Somewhere in the long text below a pass key is hidden. Read all of it and remember the pass key: "
                "you will be asked for it at the end.\n")
-# Built-in filler, repeated as long as needed; the key's sentence goes between two repetitions.
+# Built-in filler, repeated as long as needed; the key's sentence goes in at a token boundary.
 FILLER = ("The river bends slowly past the old mill, and the fields beside it lie quiet under a pale sky. "
           "A cart rolls along the lane toward the village, where the bells ring out the hour. ")
 NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key. "
@@ -126,7 +126,8 @@ class HaystackParts:
         room = length - self.fixed(key)
         if room < MIN_FILLER:
             raise DataError(f"a passkey haystack of {length} tokens is too short: it needs {self.fixed(key)} for its "
-                            f"instruction, key and question and {MIN_FILLER} of filler")
+                            f"instruction, key and question and {MIN_FILLER} of filler (set fewer "
+                            f"eval.passkey.lengths)")
         return round(depth * room), room
 
     def haystack(self, length: int, depth: float, key: str) -> Document:
