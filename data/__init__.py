@@ -11,7 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conf.schema.data import DataConfig  # noqa: E402
 from data.batch import IGNORE_INDEX, Batch  # noqa: E402
-from data.files import build_file_source, preflight_files  # noqa: E402
+from data.files import build_file_source  # noqa: E402
+from data.records import preflight_files  # noqa: E402
 from data.synthetic import RecallTask  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 

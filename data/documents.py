@@ -31,22 +31,24 @@ def trained_positions(documents, seq_len: int, long_docs: str, context: int) -> 
     """(trained tokens, those at positions >= `context`): a token is trained at the position that predicts
     it, counted from its piece's start (packing keeps documents apart, and a document longer than seq_len
     is split into pieces that each start at position 0, truncated or dropped: data.long_docs). Reads the
-    trained-on flags chunk by chunk, as content_fingerprint does."""
+    trained-on flags chunk by chunk, as content_fingerprint does, and counts them by piece from their running
+    sum: one pass over the tokens (about half a second per 100M), the rest per piece."""
     trained = beyond = 0
     for chunk in documents.with_format("arrow", columns=["is_target"])[:].column("is_target").chunks:
         lengths = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-        flags = chunk.flatten().to_numpy(zero_copy_only=False).astype(bool)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        index = np.arange(len(flags)) - starts                       # each token's index in its document
-        kept = np.ones(len(flags), dtype=bool)
-        if long_docs == "drop":
-            kept = np.repeat(lengths <= seq_len, lengths)
-        elif long_docs == "truncate":
-            kept = index < seq_len
-        position = index % seq_len                                   # in its piece; 0 predicts nothing
-        counted = flags & kept & (position >= 1)
-        trained += int(counted.sum())
-        beyond += int((counted & (position - 1 >= context)).sum())
+        flags = chunk.flatten().to_numpy(zero_copy_only=False)
+        running = np.zeros(len(flags) + 1, dtype=np.int64)                    # flags before each token
+        np.cumsum(flags.view(np.uint8), dtype=np.int64, out=running[1:])      # (from bool: 3x slower)
+        kept = {"drop": np.where(lengths <= seq_len, lengths, 0),
+                "truncate": np.minimum(lengths, seq_len)}.get(long_docs, lengths)
+        pieces = -(-kept // seq_len)
+        document = np.repeat(np.arange(len(kept)), pieces)
+        index = np.arange(len(document)) - np.repeat(np.cumsum(pieces) - pieces, pieces)   # piece of its document
+        start = (np.cumsum(lengths) - lengths)[document] + index * seq_len
+        end = start + np.minimum(seq_len, kept[document] - index * seq_len)
+        # Position 0 of a piece predicts nothing; position p >= 1 predicts from position p - 1.
+        trained += int((running[end] - running[start + 1]).sum())
+        beyond += int((running[end] - running[np.minimum(end, start + context + 1)]).sum())
     return trained, beyond
 
 

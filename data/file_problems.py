@@ -1,12 +1,13 @@
-"""Why `datasets` could not read a set of json or parquet files, in words that name the file: the first
-malformed JSON line (1-based), or the files whose records have different fields; and which file and record
-(1-based) a record index of the loaded dataset is.
+"""Why `datasets` could not read a set of json, parquet or text files, in words that name the file: one not in
+UTF-8, the first malformed JSON line (1-based), or the files whose records have different fields; and which
+file and record (1-based) a record index of the loaded dataset is.
 
 Only called after something has failed (datasets' errors name neither the file nor the line; a record's
 index names no file), so reading the files again here costs nothing on the normal path.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import string
 from pathlib import Path
@@ -52,11 +53,32 @@ def file_fields(file: Path, builder: str) -> tuple[str, ...]:
     return tuple(sorted({name for record in json_records(file) if isinstance(record, dict) for name in record}))
 
 
+def not_utf8(file: Path, chunk: int = 1 << 20) -> str | None:
+    """What is wrong with a json or text `file` that is not UTF-8 (the only encoding datasets reads them in),
+    with the fix; None when it is UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with file.open("rb") as data:
+        while True:
+            block = data.read(chunk)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                converted = file.with_name(f"{file.stem}.utf8{file.suffix}")
+                return (f"{file} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                        f"{offset + error.start}): convert it, e.g. iconv -f latin1 -t utf-8 {file} > {converted}")
+            if not block:
+                return None
+            offset += len(block)
+
+
 def files_problem(files: list[Path], builder: str) -> str | None:
-    """A malformed JSON line, an unreadable file, or files whose fields differ; None when none of these
-    explains the failure."""
-    if builder not in ("json", "parquet"):
-        return None
+    """A file that is not UTF-8, a malformed JSON line, an unreadable file, or files whose fields differ; None
+    when none of these explains the failure."""
+    if builder != "parquet":
+        problem = next((problem for file in files if (problem := not_utf8(file))), None)
+        if problem or builder != "json":
+            return problem
     by_fields: dict[tuple[str, ...], list[Path]] = {}
     for file in files:
         try:
@@ -75,6 +97,23 @@ def files_problem(files: list[Path], builder: str) -> str | None:
 def shown(files: list[Path]) -> str:
     more = f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else ""
     return ", ".join(map(str, files[:SHOWN_FILES])) + more
+
+
+def has_records(file: Path, builder: str) -> bool:
+    """Whether `file` may hold records: a parquet file has rows (datasets' reader fails on one without: 'An
+    error occurred while generating the dataset'), a json file is not an empty array ('corresponds to no
+    data'), any file holds anything but whitespace (has_text)."""
+    if builder == "json" and has_text(file):
+        with file.open("rb") as data:
+            start = data.read(4096).lstrip(WHITESPACE)
+        return not (start.startswith(b"[") and start[1:].lstrip(WHITESPACE).startswith(b"]"))
+    if builder != "parquet":
+        return has_text(file)
+    import pyarrow.parquet
+    try:
+        return pyarrow.parquet.read_metadata(file).num_rows > 0
+    except (OSError, ValueError):       # not parquet at all: files_problem names it when datasets fails
+        return True
 
 
 def has_text(file: Path, chunk: int = 1 << 20) -> bool:

@@ -1,12 +1,8 @@
-"""The `files` source: local files (or a save_to_disk directory) read with `datasets`, tokenized once into
-its cache, then planned, shuffled and packed by data.packing.
-
-Nothing here reaches the network: data.path must name something local, and data/__init__ switches
-`datasets` and the hub client to offline mode before they are imported.
+"""The `files` source: records read by data.records, tokenized once into the datasets cache, then planned,
+shuffled and packed by data.packing.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os
@@ -18,17 +14,14 @@ import numpy as np
 
 from conf.schema.data import DataConfig
 from data.batch import Batch
-from data.documents import log_positions_beyond, split_documents
-from data.file_problems import files_problem, has_text, record_place
+from data.documents import log_positions_beyond, split_documents, trained_positions
 from data.packing import Document, LongDocCounts, assemble_batch, epoch_order, pack_rows, plan_pieces
-from data.tokenize import (DataError, RecordError, check_tokenizer_files, check_vocabulary, load_tokenizer,
-                           tokenize_chat, tokenize_texts, tokenizer_files)
+from data.records import load_records, record_format, record_name, resolve_source
+from data.tokenize import (DataError, RecordError, check_text, check_vocabulary, load_tokenizer, tokenize_chat,
+                           tokenize_texts, tokenizer_files)
 
 log = logging.getLogger(__name__)
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
-# Files save_to_disk writes at the top of a Dataset / DatasetDict directory.
-SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 # Bump when tokenization output changes, so cached tokenizations from older code are not reused.
 TOKENIZATION_VERSION = 1
 # Below this many records one process tokenizes faster than starting several.
@@ -39,108 +32,6 @@ PADDING_WARNING = 0.5
 LENGTH_PERCENTILES = (50, 90, 99)
 
 
-
-@dataclass
-class LocalSource:
-    path: str
-    files: list[Path]
-    builder: str | None        # datasets builder for the files; None for a save_to_disk directory
-    setting: str = "data.path"     # the setting that named `path`, for messages
-
-
-def resolve_source(path: str, setting: str = "data.path") -> LocalSource:
-    """What `setting` (data.path, eval.path) names on disk; a clear error for anything missing, remote or
-    unsupported."""
-    local = Path(path).expanduser()
-    if local.is_dir() and any((local / marker).is_file() for marker in SAVED_DATASET_MARKERS):
-        return LocalSource(path, [local], None, setting)
-    if local.is_dir():
-        files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
-        where = f"folder {setting}={path!r}"
-    elif local.is_file():
-        files, where = [local], f"{setting}={path!r}"
-    elif glob.has_magic(str(local)):
-        files = sorted(Path(p) for p in glob.glob(str(local), recursive=True) if Path(p).is_file())
-        where = f"glob {setting}={path!r}"
-    else:
-        raise DataError(f"{setting}={path!r} is not an existing file, folder or glob. Hub datasets are never "
-                        f"downloaded (training runs offline): save it on a machine with network "
-                        f"(datasets.load_dataset(NAME).save_to_disk(DIR)) and set {setting}=DIR")
-    supported = [file for file in files if file.suffix.lower() in BUILDERS]
-    if local.is_file() and not supported:
-        raise DataError(f"{where} has extension {local.suffix!r}; supported: {', '.join(BUILDERS)}")
-    if not supported:
-        raise DataError(f"{where} matches no data files ({', '.join(BUILDERS)})")
-    builders = {BUILDERS[file.suffix.lower()] for file in supported}
-    if len(builders) > 1:
-        raise DataError(f"{where} mixes file kinds {sorted(builders)}: point {setting} at one kind (e.g. a glob "
-                        f"like '{local / '*.jsonl'}')")
-    unreadable = [str(file) for file in supported if not os.access(file, os.R_OK)]
-    if unreadable:
-        raise DataError(f"cannot read {unreadable[:3]} (permissions) under {where}")
-    # datasets' readers fail obscurely on empty files and files of blank lines; they hold no records anyway.
-    non_empty = [file for file in supported if file.stat().st_size > 0 and has_text(file)]
-    if not non_empty:
-        raise DataError(f"{where} holds no records: {len(supported)} matching file(s), all empty or whitespace only")
-    return LocalSource(path, non_empty, builders.pop(), setting)
-
-
-def preflight_files(cfg: DataConfig, tokenizer_path: str, eval_path: str | None = None) -> None:
-    """Before the model is built: data.path (and eval.path) resolve to readable data files, none trained on
-    and held out both, and model.path holds a tokenizer (the option values were checked by
-    conf.schema.data.check_files)."""
-    training = resolve_source(cfg.path)
-    if eval_path:
-        check_held_out_apart(training, resolve_source(eval_path, "eval.path"))
-    check_tokenizer_files(tokenizer_path)
-
-
-def check_held_out_apart(training: LocalSource, held_out: LocalSource) -> None:
-    """DataError when eval.path names files data.path trains on: the held-out figures would measure recall of
-    the training data, not generalization."""
-    trained = {file.resolve() for file in training.files}
-    shared = [file for file in held_out.files if file.resolve() in trained]
-    if shared:
-        raise DataError(f"eval.path={held_out.path!r} names {len(shared)} of the files data.path={training.path!r} "
-                        f"trains on (first: {shared[0]}): give held-out files of their own, or eval.fraction=0.01 "
-                        f"to hold out 1% of the training documents")
-
-
-def load_records(source: LocalSource, cfg: DataConfig):
-    """The raw records as a datasets.Dataset (converted to Arrow once, in the datasets cache)."""
-    import datasets
-    try:
-        if source.builder is None:
-            records = datasets.load_from_disk(str(source.files[0]))
-            if isinstance(records, datasets.DatasetDict):
-                if cfg.split not in records:
-                    raise DataError(f"data.split={cfg.split!r} is not in {source.path}; splits: {list(records)}")
-                records = records[cfg.split]
-        else:
-            options = {"sample_by": cfg.text_unit} if source.builder == "text" else {}
-            records = datasets.load_dataset(source.builder, data_files=[str(f) for f in source.files], split="train",
-                                            cache_dir=cfg.cache_dir, **options)
-    except DataError:
-        raise
-    except Exception as error:
-        problem = source.builder and files_problem(source.files, source.builder)
-        raise DataError(f"could not read {source.setting}={source.path!r}: "
-                        f"{problem or f'{type(error).__name__}: {error}'}") from error
-    if len(records) == 0:
-        raise DataError(f"{source.setting}={source.path!r} holds no records")
-    return records
-
-
-def record_format(cfg: DataConfig, columns: list[str], source: LocalSource) -> tuple[str, str]:
-    """(format, field): chat when asked for or when auto finds the messages field, else text."""
-    chat = cfg.format == "chat" or (cfg.format == "auto" and cfg.messages_field in columns)
-    option, field = ("messages_field", cfg.messages_field) if chat else ("text_field", cfg.text_field)
-    if field not in columns:
-        raise DataError(f"records in {source.setting}={source.path!r} have no field {field!r} (data.{option}); "
-                        f"fields present: {columns}. Set data.{option}=<one of them>")
-    return ("chat" if chat else "text"), field
-
-
 def tokenize_batch(batch: dict, indices: list[int], tokenizer, fmt: str, field: str, loss_on: str,
                    bos_id: int | None, eos_id: int | None) -> dict:
     """datasets.map function: records to documents plus the lengths and target counts the plan reads."""
@@ -148,6 +39,8 @@ def tokenize_batch(batch: dict, indices: list[int], tokenizer, fmt: str, field: 
         documents = [tokenize_chat(messages, tokenizer, loss_on, bos_id, eos_id, record=index)
                      for messages, index in zip(batch[field], indices)]
     else:
+        for text, index in zip(batch[field], indices):
+            check_text(text, field, index)
         documents = tokenize_texts(batch[field], tokenizer, bos_id, eos_id)
     return {"input_ids": [ids for ids, _ in documents], "is_target": [mask for _, mask in documents],
             "length": [len(ids) for ids, _ in documents], "targets": [sum(mask[1:]) for _, mask in documents]}
@@ -260,8 +153,11 @@ class PackedDocuments:
         self._plan_epoch(0)
         kept = self.pieces[:, 2] - self.pieces[:, 1]
         present = lengths[lengths > 0]
+        # Counted where the rows train them: a token that starts a piece (every token at seq_len=1) predicts
+        # nothing, and a dropped document's tokens are not trained.
         self.stats = DataStats(documents=len(present), tokens=int(lengths.sum()),
-                               targets=int(int_column(documents, "targets").sum()), sequences=self.rows_in_epoch,
+                               targets=trained_positions(documents, seq_len, long_docs, 0)[0],
+                               sequences=self.rows_in_epoch,
                                padding_fraction=1 - kept.sum() / (self.rows_in_epoch * seq_len),
                                long_docs=long_counts, seq_len=seq_len,
                                length_percentiles={p: int(np.percentile(present, p, method="higher"))
@@ -338,7 +234,7 @@ def tokenized_documents(cfg: DataConfig, path: str, vocab_size: int, tokenizer_p
     check_vocabulary(tokenizer, vocab_size, tokenizer_path)
     source = resolve_source(path, setting)
     records = load_records(source, cfg)
-    fmt, field = record_format(cfg, records.column_names, source)
+    fmt, field = record_format(cfg, records, source)
     try:
         documents = tokenize_records(records, cfg, tokenizer, tokenizer_path, fmt, field)
     except RecordError as error:
@@ -358,6 +254,23 @@ def packed_documents(documents, cfg: DataConfig, fmt: str, tokenizer, seq_len: i
     return PackedDocuments(documents, seq_len, batch_size, seed, cfg.pack, long_docs_policy(cfg, fmt), pad_id)
 
 
+def nothing_to_train(cfg: DataConfig, fmt: str, stats: DataStats, document_targets: int) -> str:
+    """The line refusing data whose rows train no token: the file, the count, and the setting that would help
+    (`document_targets`: the targets the documents hold before they are cut into rows of seq_len)."""
+    if stats.seq_len < 2:
+        fix = f"a row of seq_len={stats.seq_len} token predicts nothing: raise seq_len"
+    elif not document_targets and fmt == "chat" and cfg.loss_on != "all":
+        fix = (f"no record has an assistant reply to train on (data.loss_on={cfg.loss_on} trains only those): add "
+               f"assistant turns, or set data.loss_on=all to train on every token")
+    elif stats.long_docs.dropped:
+        fix = (f"the documents with tokens to train on are longer than seq_len={stats.seq_len} and dropped: raise "
+               f"seq_len or set data.long_docs=truncate")
+    else:
+        fix = "each document's trained tokens start its row, where they predict nothing: raise seq_len"
+    return (f"data.path={cfg.path!r}: 0 of its {stats.tokens:,} tokens in {stats.documents:,} documents would be "
+            f"trained on: {fix}")
+
+
 def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int, vocab_size: int,
                       tokenizer_path: str, trained_context: int | None = None,
                       held_out: float = 0.0) -> PackedDocuments:
@@ -369,15 +282,10 @@ def build_file_source(cfg: DataConfig, seq_len: int, batch_size: int, seed: int,
         documents = documents.select(split_documents(len(documents), held_out)[0])
     stream = packed_documents(documents, cfg, fmt, tokenizer, seq_len, batch_size, seed)
     log.info(stream.stats.line())
+    if not stream.stats.targets:
+        raise DataError(nothing_to_train(cfg, fmt, stream.stats, int(int_column(documents, "targets").sum())))
     if warning := stream.stats.padding_warning():
         log.warning(warning)
     if trained_context is not None and trained_context < seq_len:
         log_positions_beyond(documents, seq_len, long_docs_policy(cfg, fmt), trained_context)
     return stream
-
-
-def record_name(source: LocalSource, cfg: DataConfig, index: int) -> str:
-    """The file and 1-based record of the dataset's record `index` (0-based)."""
-    if source.builder is None:
-        return f"{source.setting}={source.path!r} record {index + 1}"
-    return record_place(source.files, source.builder, cfg.text_unit, index)

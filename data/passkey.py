@@ -1,8 +1,9 @@
 """Passkey retrieval haystacks: a random number hidden at a chosen depth of filler text, asked for at the end.
 
-Each haystack is one document of a given length: an instruction, filler, the key's sentence at `depth`
-(0: right after the instruction, 1: right before the question), more filler, the question, and the key's
-tokens as the answer, which are the document's only targets. Haystacks of all (length, depth, trial) cells
+Each haystack is one document of a given length: an instruction, filler, the key's sentence at the whole
+token nearest `depth` of the filler (0: right after the instruction, 1: right before the question; the depth
+placed is what the figures name), more filler, the question, and the key's tokens as the answer, which are
+the document's only targets. Haystacks of all (length, depth, trial) cells
 are packed into rows of seq_len like training data (data.packing), so one forward pass scores many of them;
 `PasskeyGrid.cells` says which cell each target belongs to. Whether greedy decoding would answer the key
 exactly is whether the argmax at every answer position is the key's token, which one teacher-forced forward
@@ -10,6 +11,7 @@ pass tells (trainer.evaluate). Keys come from a fixed seed: every evaluation ask
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ from data.tokenize import DataError
 
 INSTRUCTION = ("Somewhere in the long text below a pass key is hidden. Read all of it and remember the pass key: "
                "you will be asked for it at the end.\n")
-# Built-in filler, repeated as long as needed; the key's sentence goes between two repetitions.
+# Built-in filler, repeated as long as needed; the key's sentence goes in at a token boundary.
 FILLER = ("The river bends slowly past the old mill, and the fields beside it lie quiet under a pale sky. "
           "A cart rolls along the lane toward the village, where the bells ring out the hour. ")
 NEEDLE = " The pass key is {key}. Remember it: {key} is the pass key. "
@@ -30,11 +32,41 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER = " {key}"
 KEY_DIGITS = 5
 KEY_SEED = 39
+# Haystack lengths when eval.passkey.lengths is not given: seq_len and its halvings, at most this many.
+DEFAULT_LENGTHS = 4
+# The fewest filler tokens a haystack holds: below it there is hardly a haystack, and its depths would not be
+# distinct positions.
+MIN_FILLER = 32
 
 
 def grid_lengths(seq_len: int, count: int) -> list[int]:
     """seq_len and the `count` - 1 halvings below it, shortest first."""
     return [seq_len >> shift for shift in reversed(range(count))]
+
+
+def haystack_lengths(seq_len: int, count: int | None, shortest: int) -> list[int]:
+    """The probe's haystack lengths, shortest first: `count` of them (grid_lengths), or for None seq_len and
+    its halvings down to `shortest` (the shortest haystack the tokenizer allows), at most DEFAULT_LENGTHS."""
+    if count is not None:
+        return grid_lengths(seq_len, count)
+    return [length for length in grid_lengths(seq_len, DEFAULT_LENGTHS) if length >= shortest]
+
+
+def passkey_keys(count: int) -> list[str]:
+    """The first `count` keys, the same at every evaluation: one per haystack, in (length, depth, trial) order."""
+    draw = random.Random(KEY_SEED)
+    return [str(draw.randrange(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS)) for _ in range(count)]
+
+
+def check_haystack_lengths(lengths: list[int], count: int | None, seq_len: int, shortest: int) -> None:
+    """DataError when a haystack of `lengths` (eval.passkey.lengths=`count`) is shorter than `shortest` tokens."""
+    if lengths and lengths[0] < shortest:
+        fits = len(haystack_lengths(seq_len, None, shortest)) if seq_len >= shortest else 0
+        fix = (f"set eval.passkey.lengths={fits} or fewer, or leave it unset (derived from seq_len)" if fits else
+               f"raise seq_len to {shortest} or more, or set eval.passkey.lengths=0 (no passkey probe)")
+        raise DataError(f"eval.passkey.lengths={count} at seq_len={seq_len} makes a haystack of {lengths[0]} tokens, "
+                        f"and one needs {shortest} with this tokenizer (the instruction, key and question, and "
+                        f"{MIN_FILLER} of filler): {fix}")
 
 
 def grid_depths(count: int) -> list[float]:
@@ -52,6 +84,8 @@ class PasskeyGrid:
     trials: int
     batches: list[Batch]
     cells: list[torch.Tensor]
+    # Per cell, the depth its key was placed at (a whole token: near `depths` in long haystacks only).
+    placed: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def cell_count(self) -> int:
@@ -70,39 +104,65 @@ class HaystackParts:
         self.tokenizer = tokenizer
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.start = bos + self.encode(INSTRUCTION)
-        # Built-in filler is cut at whole repetitions only, so the key's sentence sits between sentences.
-        self.filler, self.unit = (filler, 1) if filler else (self.encode(FILLER), len(self.encode(FILLER)))
+        self.filler = filler or self.encode(FILLER)
         self.question = self.encode(QUESTION)
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def fixed(self, key: str) -> int:
+        """The tokens of a haystack for `key` that are not filler."""
+        needle, answer = self.encode(NEEDLE.format(key=key)), self.encode(ANSWER.format(key=key))
+        return len(self.start) + len(needle) + len(self.question) + len(answer)
+
+    def shortest(self, keys: list[str]) -> int:
+        """The shortest haystack for every one of `keys`: its fixed tokens and MIN_FILLER of filler."""
+        return max(self.fixed(key) for key in keys) + MIN_FILLER
+
+    def split(self, length: int, depth: float, key: str) -> tuple[int, int]:
+        """(filler tokens before the key, filler tokens) of the haystack: the key at the whole token nearest
+        `depth` of the filler."""
+        room = length - self.fixed(key)
+        if room < MIN_FILLER:
+            raise DataError(f"a passkey haystack of {length} tokens is too short: it needs {self.fixed(key)} for its "
+                            f"instruction, key and question and {MIN_FILLER} of filler (set fewer "
+                            f"eval.passkey.lengths)")
+        return round(depth * room), room
+
     def haystack(self, length: int, depth: float, key: str) -> Document:
         """A document of exactly `length` tokens whose targets are the key's tokens at its end."""
         needle, answer = self.encode(NEEDLE.format(key=key)), self.encode(ANSWER.format(key=key))
-        fixed = len(self.start) + len(needle) + len(self.question) + len(answer)
-        room = length - fixed
-        if room < 0:
-            raise DataError(f"a passkey haystack of {length} tokens is too short for its {fixed} fixed tokens: "
-                            f"lower eval.passkey.lengths (the shortest is seq_len / 2^(lengths-1))")
+        split, room = self.split(length, depth, key)
         filler = (self.filler * (room // len(self.filler) + 1))[:room]
-        unit = self.unit if self.unit <= room else 1
-        split = round(depth * (room // unit)) * unit
         ids = self.start + filler[:split] + needle + filler[split:] + self.question + answer
         return ids, [False] * (len(ids) - len(answer)) + [True] * len(answer)
 
 
-def passkey_grid(tokenizer, seq_len: int, batch_size: int, lengths: int, depths: int, trials: int,
+def passkey_lengths(tokenizer, seq_len: int, lengths: int | None, depths: int, trials: int) -> list[int]:
+    """The haystack lengths of the probe (haystack_lengths), checked against the shortest haystack this
+    tokenizer allows (DataError naming eval.passkey.lengths); read before anything is built."""
+    parts = HaystackParts(tokenizer, None)
+    shortest = parts.shortest(passkey_keys((lengths or DEFAULT_LENGTHS) * depths * trials))
+    chosen = haystack_lengths(seq_len, lengths, shortest)
+    check_haystack_lengths(chosen, lengths, seq_len, shortest)
+    return chosen
+
+
+def passkey_grid(tokenizer, seq_len: int, batch_size: int, lengths: int | None, depths: int, trials: int,
                  filler: list[int] | None = None, multiple_of: int = 1) -> PasskeyGrid:
     """Every (length, depth, trial) haystack, packed into batches of `batch_size` rows of seq_len, their
     number padded with empty batches to a multiple of `multiple_of` (one share per data-parallel group).
-    filler: the text's token ids (held-out documents), or None for the built-in filler."""
+    lengths: how many (None: passkey_lengths derives them from seq_len); filler: the text's token ids
+    (held-out documents), or None for the built-in filler."""
     parts = HaystackParts(tokenizer, filler)
-    grid = PasskeyGrid(grid_lengths(seq_len, lengths), grid_depths(depths), trials, [], [])
-    keys = random.Random(KEY_SEED)
-    documents = [parts.haystack(length, depth, str(keys.randrange(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS)))
-                 for length in grid.lengths for depth in grid.depths for _ in range(trials)]
+    grid = PasskeyGrid(passkey_lengths(tokenizer, seq_len, lengths, depths, trials), grid_depths(depths), trials,
+                       [], [])
+    cells = [(length, depth) for length in grid.lengths for depth in grid.depths for _ in range(trials)]
+    keys = passkey_keys(len(cells))
+    documents = [parts.haystack(length, depth, key) for (length, depth), key in zip(cells, keys)]
+    grid.placed = [split / room for split, room in (parts.split(length, depth, key)
+                                                    for (length, depth), key in zip(cells, keys))]
     rows = pack_rows(np.array([len(ids) for ids, _ in documents]), seq_len, pack=True)
     rows += [[]] * (-len(rows) % (batch_size * multiple_of))
     for first in range(0, len(rows), batch_size):

@@ -84,6 +84,17 @@ def tokenize_texts(texts: list[str], tokenizer, bos_id: int | None, eos_id: int 
     return [with_bos_eos(ids, [True] * len(ids), bos_id, eos_id) for ids in encoded]
 
 
+def check_text(text, field: str, record: int) -> None:
+    """RecordError unless the `record`-th (0-based) record's `field` is a string: the tokenizer would fail on
+    None or a number without naming the record, and read a list as a text pair."""
+    if text is None:
+        raise RecordError(record, f"has no {field!r} (missing or null): give every record its text, or remove it")
+    if not isinstance(text, str):
+        shown = repr(text) if len(repr(text)) <= 60 else repr(text)[:57] + "..."
+        raise RecordError(record, f"{field!r} is {type(text).__name__} ({shown}), not a string: give the text as "
+                                  f"one string")
+
+
 def check_messages(messages, record: int) -> None:
     """RecordError for the `record`-th (0-based) record's messages, naming the message 1-based."""
     if not isinstance(messages, list) or not messages:
@@ -149,11 +160,18 @@ def tokenize_chat(messages: list[dict], tokenizer, loss_on: str, bos_id: int | N
                   record: int = 0) -> Document:
     """A conversation rendered with the tokenizer's chat template (or FALLBACK_CHAT_TEMPLATE), targets
     set by `loss_on`: all tokens, every assistant reply, or the last one."""
+    from jinja2 import TemplateError
     check_messages(messages, record)
     render = chat_renderer(tokenizer)
     trained = trained_replies(messages, loss_on)
-    # Training on everything needs no reply boundaries, so any template works for loss_on=all.
-    segments = [(render(messages, False), None)] if trained is None else chat_segments(messages, render)
+    try:
+        # Training on everything needs no reply boundaries, so any template works for loss_on=all.
+        segments = [(render(messages, False), None)] if trained is None else chat_segments(messages, render)
+    except TemplateError as error:      # raise_exception in templates that enforce an order of roles
+        raise RecordError(record, f"the tokenizer's chat template refuses it: {error} (fix the record, or give a "
+                                  f"tokenizer whose template takes it)") from None
+    except DataError as error:          # suffix_after: replies cannot be located in this record's rendering
+        raise RecordError(record, str(error)) from None
     encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     is_target: list[bool] = []

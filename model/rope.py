@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import torch
 
@@ -72,12 +73,64 @@ def rope_tables(cfg: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dty
 
 
 def check_rope(cfg: DecoderConfig) -> None:
-    """ValueError naming what `cfg.rope_scaling` lacks or has wrong, by computing its frequencies once."""
+    """ValueError naming what `cfg`'s rope lacks or has wrong: a value outside the domain transformers' rope
+    validation states (rope_value_problem), or what computing its frequencies once finds."""
+    if not (is_number(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ValueError(f"rope_theta={cfg.rope_theta} must be a positive number")
     if cfg.rope_type == "default":
         return
+    problem = rope_value_problem(cfg)
+    if problem:
+        raise ValueError(f"rope_scaling {cfg.rope_scaling} is outside a {cfg.rope_type} rope's domain: {problem}")
     try:
-        rope_frequencies(cfg, cfg.max_position_embeddings, "cpu")
+        _, attention_factor = rope_frequencies(cfg, cfg.max_position_embeddings, "cpu")
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         problem = error.args[0] if isinstance(error, KeyError) and error.args else error   # not repr'd
         raise ValueError(f"rope_scaling {cfg.rope_scaling} does not define a {cfg.rope_type} rope: "
                          f"{problem}") from None
+    if not (math.isfinite(attention_factor) and attention_factor > 0):      # yarn's, from mscale / mscale_all_dim
+        raise ValueError(f"rope_scaling {cfg.rope_scaling} is outside a {cfg.rope_type} rope's domain: "
+                         f"mscale={cfg.rope_scaling.get('mscale')} and mscale_all_dim="
+                         f"{cfg.rope_scaling.get('mscale_all_dim')} give an attention factor of "
+                         f"{attention_factor:.3f}, which must be positive")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rope_value_problem(cfg: DecoderConfig) -> str | None:
+    """The first rope_scaling value outside the domain transformers' rope validation states (it only warns, and
+    the rope then trains: a factor of 0 made every step NaN, one of -2 trained): a factor below 1, an attention
+    factor or beta not positive, beta_fast not above beta_slow (yarn), factor lists not of head_dim / 2 positive
+    numbers (longrope), low_freq_factor not below high_freq_factor (llama3), an original context that is not a
+    positive integer. None when every value given is in its domain (missing ones the computation names)."""
+    scaling = cfg.rope_scaling
+    factor = scaling.get("factor")
+    if factor is not None and not (is_number(factor) and factor >= 1):
+        return f"factor={factor} must be a number >= 1 (how many times the original context: 4 for 4x)"
+    original = scaling.get("original_max_position_embeddings")
+    if original is not None and not (isinstance(original, int) and original > 0):
+        return f"original_max_position_embeddings={original} must be a positive integer"
+    positive = ["attention_factor"] + ["beta_fast", "beta_slow"] * (cfg.rope_type == "yarn")
+    for name in positive + ["low_freq_factor", "high_freq_factor"] * (cfg.rope_type == "llama3"):
+        value = scaling.get(name)
+        if value is not None and not (is_number(value) and value > 0):
+            return f"{name}={value} must be a positive number"
+    if cfg.rope_type == "yarn":
+        # transformers' defaults, as its yarn computation takes them
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+        if fast <= slow:
+            given = lambda name, value: f"{name}={value}" + " (its default)" * (scaling.get(name) is None)  # noqa: E731
+            return f"{given('beta_fast', fast)} must be greater than {given('beta_slow', slow)}"
+    if cfg.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            values = scaling.get(name)
+            if values is not None and not (isinstance(values, (list, tuple)) and len(values) == cfg.head_dim // 2
+                                           and all(is_number(value) and value > 0 for value in values)):
+                return f"{name} must be a list of {cfg.head_dim // 2} positive numbers (head_dim / 2), got {values}"
+    if cfg.rope_type == "llama3":
+        low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+        if low is not None and high is not None and not low < high:
+            return f"low_freq_factor={low} must be below high_freq_factor={high}"
+    return None

@@ -50,7 +50,7 @@ from scripts.report import loss_by_position_figure, passkey_cells, passkey_figur
 from trainer.architecture import (given_model_keys, model_architecture, record_architecture,
                                   rope_overrides, saved_config)
 from trainer.checkpoint.format import ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem
-from trainer.evaluate import build_evaluator
+from trainer.evaluate import build_evaluator, check_passkey
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -154,6 +154,7 @@ def main() -> None:
     try:
         cfg = job_config(source, overrides)
         validate(cfg)
+        check_passkey(cfg)
         device = resolve_device(cfg.device)
         kernels.set_backend(cfg.kernels)
         model = load_model(source, cfg, device)

@@ -18,20 +18,20 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+import torch
+import yaml
+from safetensors import safe_open
 
-from model import CausalLM  # noqa: E402
-from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files  # noqa: E402
-from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files  # noqa: E402
-from conf.errors import ConfigError  # noqa: E402
-from trainer.architecture import model_architecture, rope_overrides, saved_config  # noqa: E402
-from trainer.build import BASE_MODEL_DIR  # noqa: E402
-from trainer.checkpoint.disk_space import save_hf_model_if_room  # noqa: E402
-from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,  # noqa: E402
+from conf.errors import ConfigError
+from data.tokenize import TOKENIZER_FILES, DataError, check_vocabulary, load_tokenizer, tokenizer_files
+from model import CausalLM
+from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, token_ids, weight_files
+from trainer.architecture import model_architecture, rope_overrides, saved_config
+from trainer.build import BASE_MODEL_DIR
+from trainer.checkpoint.disk_space import save_hf_model_if_room
+from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,
                                        load_adapter)
-from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights  # noqa: E402
+from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -119,3 +119,48 @@ def test_train_runs_on_a_jsonl_file(text_file, tmp_path, checkpoint):
                      "optim.warmup_steps=0", "device=cpu", f"output_dir={tmp_path / 'run'}")
     metrics = train(cfg)
     assert metrics["step"] == 2 and np.isfinite(metrics["loss"]) and metrics["loss"] > 0
+
+
+# --- issue 47: data that trains no token is refused before the model is built, naming file, count and fix ---
+
+@pytest.mark.parametrize("records,seq_len,fix", [
+    ([{"messages": [{"role": "system", "content": "be brief"}]}] * 3, 16, "data.loss_on=all"),
+    ([{"messages": [{"role": "user", "content": "hi there"}]}] * 3, 16, "data.loss_on=all"),
+    ([{"text": "the cat sat on the mat"}] * 3, 1, "raise seq_len"),
+])
+def test_data_that_trains_no_token_is_refused_naming_the_file_the_count_and_the_fix(records, seq_len, fix, tmp_path,
+                                                                                     checkpoint):
+    from tests.data_support import write_jsonl
+    path = write_jsonl(tmp_path / "none.jsonl", records)
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), seq_len, 1, 0, 64, str(checkpoint))
+    message = str(refused.value)
+    assert message.startswith(f"data.path='{path}': 0 of its ") and "\n" not in message
+    assert "3 documents" in message and fix in message
+
+
+def test_a_run_on_data_that_trains_no_token_stops_before_the_model_is_built(tmp_path, checkpoint, monkeypatch):
+    import trainer.loop
+    from tests.data_support import write_jsonl
+    path = write_jsonl(tmp_path / "system.jsonl", [{"messages": [{"role": "system", "content": "be brief"}]}] * 2)
+    monkeypatch.setattr(trainer.loop, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    cfg = job_config("data=files", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "model=tiny",
+                     f"model.path={checkpoint}", "seq_len=16", "max_steps=2", "device=cpu",
+                     f"output_dir={tmp_path / 'run'}")
+    with pytest.raises(DataError, match="0 of its"):
+        trainer.loop.train(cfg)
+
+
+def test_train_py_stops_on_data_that_trains_no_token_with_one_line_and_exit_2(tmp_path, checkpoint):
+    from tests.data_support import write_jsonl
+    from tests.jobs_support import train_process
+    path = write_jsonl(tmp_path / "system.jsonl", [{"messages": [{"role": "system", "content": "be brief"}]}] * 2)
+    done = train_process(tmp_path / "run", "data=chat", f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}",
+                         "model=tiny", f"model.path={checkpoint}", "seq_len=16")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output
+    [line] = [line for line in output.splitlines() if "0 of its" in line]
+    assert re.search(re.escape(f"data.path='{path}': 0 of its ") + r"\d+ tokens in 2 documents would be trained on: "
+                     + re.escape("no record has an assistant reply to train on (data.loss_on=assistant trains only "
+                                 "those): add assistant turns, or set data.loss_on=all to train on every token") + "$",
+                     line)

@@ -159,7 +159,8 @@ def test_document_lengths_are_read_as_whole_arrow_columns(monkeypatch):
     monkeypatch.setattr(datasets.arrow_dataset.Column, "__iter__", row_by_row)
     stream = data.files.PackedDocuments(documents, seq_len=10, batch_size=2, seed=0, pack=True, long_docs="split",
                                         pad_id=0)
-    assert (stream.stats.documents, stream.stats.tokens, stream.stats.targets) == (800, 5400, 4600)
+    # Trained: all but each piece's first token (the 12-token documents are two pieces): 4,600 - 200 pieces.
+    assert (stream.stats.documents, stream.stats.tokens, stream.stats.targets) == (800, 5400, 4400)
     assert sorted(stream.pieces[:, 0].tolist())[:5] == [0, 1, 1, 2, 4]   # lengths 5, 12 (split), 7, 0, 3
     assert stream.pieces[stream.pieces[:, 0] == 996].tolist() == [[996, 0, 10], [996, 10, 12]]
     assert next(stream).num_tokens == 20
@@ -225,3 +226,89 @@ def test_rows_mostly_padding_are_warned_about_with_the_numbers(tmp_path, checkpo
     caplog.clear()
     build_data(files_config(path, tmp_path), 8, 1, 0, 64, str(checkpoint))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+# --- issue 47: every bad record named by file and 1-based record, with what is wrong ---
+
+@pytest.mark.parametrize("record,problem", [
+    ({"other": "x"}, "has no 'text' (missing or null)"),
+    ({"text": None}, "has no 'text' (missing or null)"),
+    ({"text": 5}, "'text' is int (5), not a string"),
+    ({"text": ["the cat", "sat"]}, "'text' is list (['the cat', 'sat']), not a string"),
+])
+def test_a_text_record_that_is_not_a_string_is_named_with_its_file_and_record(tmp_path, checkpoint, record, problem):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "the cat"}, record, {"text": "a dog"}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert str(refused.value).startswith(f"{path} record 2, {problem}")
+
+
+def test_text_given_as_lists_is_refused_not_tokenized_as_text_pairs(tmp_path, checkpoint):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": ["the cat", "sat on"]}, {"text": ["a dog", "ran"]}])
+    with pytest.raises(DataError, match=f"^{path} record 1, 'text' is list"):
+        build_data(files_config(path, tmp_path), 16, 1, 0, 64, str(checkpoint))
+
+
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|{{ message['role'] }}|> {{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def test_a_chat_template_that_refuses_a_record_is_named_with_the_file_record_and_its_message(tmp_path):
+    from tests.data_support import save_tokenizer
+    save_tokenizer(tmp_path / "tokenizer", chat_template=ALTERNATING_TEMPLATE)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}, {"messages": CHAT[1:2] + CHAT[3:4]}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(tmp_path / "tokenizer"))
+    assert str(refused.value) == (f"{path} record 2, the tokenizer's chat template refuses it: Conversation roles "
+                                  f"must alternate user/assistant/user/assistant/... (fix the record, or give a "
+                                  f"tokenizer whose template takes it)")
+
+
+def test_a_parquet_file_without_rows_is_skipped_like_an_empty_file_and_named_when_alone(tmp_path, checkpoint):
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.table({"text": pyarrow.array([], pyarrow.string())}), tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=f"^data.path='{tmp_path / 'a.parquet'}' holds no records"):
+        build_data(files_config(tmp_path / "a.parquet", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    pyarrow.parquet.write_table(pyarrow.table({"text": ["the cat sat"]}), tmp_path / "b.parquet")
+    stream = build_data(files_config(tmp_path / "*.parquet", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert stream.stats.documents == 1
+
+
+def test_an_empty_json_array_is_skipped_like_an_empty_file(tmp_path, checkpoint):
+    (tmp_path / "a.json").write_text(" [\n ]\n")
+    with pytest.raises(DataError, match=f"^data.path='{tmp_path / 'a.json'}' holds no records"):
+        build_data(files_config(tmp_path / "a.json", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    (tmp_path / "b.json").write_text('[{"text": "the cat sat"}]')
+    assert build_data(files_config(tmp_path / "*.json", tmp_path), 16, 1, 0, 64, str(checkpoint)).stats.documents == 1
+
+
+def test_a_text_file_that_is_not_utf8_is_named_with_the_fix(tmp_path, checkpoint):
+    (tmp_path / "good.txt").write_text("the cat sat\n")
+    (tmp_path / "latin.txt").write_bytes("the cat sat on the mat\nin the café\n".encode("latin-1"))
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(tmp_path / "*.txt", tmp_path), 16, 1, 0, 64, str(checkpoint))
+    assert str(refused.value) == (
+        f"could not read data.path='{tmp_path / '*.txt'}': {tmp_path / 'latin.txt'} is not UTF-8 text (byte 0xe9 "
+        f"at offset 33): convert it, e.g. iconv -f latin1 -t utf-8 {tmp_path / 'latin.txt'} > "
+        f"{tmp_path / 'latin.utf8.txt'}")
+
+
+def test_a_chat_record_among_text_records_is_named_as_such(tmp_path, checkpoint):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "the cat"}, {"text": "a dog"}, {"messages": CHAT}])
+    with pytest.raises(DataError) as refused:
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(checkpoint))
+    assert str(refused.value).startswith(f"{path} record 3 is a chat record ('messages') among 2 text records "
+                                         f"('text') in data.path='{path}'")
+
+
+def test_a_chat_template_that_renders_a_record_differently_once_more_follow_names_the_record(tmp_path):
+    from tests.data_support import save_tokenizer
+    counting = "{{ messages | length }} {% for message in messages %}{{ message['content'] }} {% endfor %}"
+    save_tokenizer(tmp_path / "tokenizer", chat_template=counting)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[1:3]}])
+    with pytest.raises(DataError, match=f"^{path} record 1, the chat template renders a conversation's first "):
+        build_data(files_config(path, tmp_path), 32, 1, 0, 64, str(tmp_path / "tokenizer"))

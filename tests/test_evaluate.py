@@ -27,6 +27,7 @@ from data.held_out import held_out_data, split_documents
 from data.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION, HaystackParts, passkey_grid
 from kernels.attention import choose_route
 from model import CausalLM, DecoderConfig
+from tests.data_support import checkpoint, text_file  # noqa: F401
 from tests.gloo_support import gloo_rank, run_two_ranks
 from tests.jobs_support import REPO, job_config, records, single_torch_thread  # noqa: F401
 from trainer.build import install_attention_route
@@ -357,3 +358,61 @@ def test_evaluate_script_refuses_weights_that_do_not_fit_the_model():
     loaded = tiny_model(seed=1)
     load_weights(loaded, model.state_dict(), Path("step-2"))
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# --- issue 47: haystack lengths derived from seq_len and checked before anything is built; keys placed at a
+# whole token, the depth placed recorded ---
+
+def test_passkey_lengths_default_to_the_halvings_of_seq_len_the_tokenizer_allows(tmp_path):
+    tokenizer = passkey_tokenizer(tmp_path)
+    assert EvalConfig().passkey.lengths is None
+    # A haystack needs 71 tokens here (instruction, key, question) and 32 of filler: 64 is too short.
+    assert passkey_grid(tokenizer, 512, 1, lengths=None, depths=2, trials=1).lengths == [128, 256, 512]
+    assert passkey_grid(tokenizer, 4096, 1, lengths=None, depths=1, trials=1).lengths == [512, 1024, 2048, 4096]
+
+
+def files_job(tmp_path, checkpoint, text_file, *overrides):
+    return job_config(tmp_path / "run", "data=files", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}",
+                      "model=tiny", f"model.path={checkpoint}", "seq_len=128", "max_steps=2", "eval.every_steps=2",
+                      "eval.fraction=0.25", *overrides)
+
+
+def test_evaluation_with_its_defaults_runs_at_a_short_seq_len(tmp_path, checkpoint, text_file):
+    train(files_job(tmp_path, checkpoint, text_file))
+    assert records(tmp_path / "run")[-1]["eval/passkey/128"] in (0.0, 1.0)
+
+
+def test_haystack_lengths_given_too_short_for_the_tokenizer_are_refused_before_anything_is_built(tmp_path, checkpoint,
+                                                                                                  text_file):
+    from data import DataError
+    with pytest.raises(DataError) as refused:
+        train(files_job(tmp_path, checkpoint, text_file, "eval.passkey.lengths=3"))
+    assert str(refused.value) == (
+        "eval.passkey.lengths=3 at seq_len=128 makes a haystack of 32 tokens, and one needs 84 with this tokenizer "
+        "(the instruction, key and question, and 32 of filler): set eval.passkey.lengths=1 or fewer, or leave it "
+        "unset (derived from seq_len)")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="^eval.passkey.lengths=9 halves seq_len=128 down to nothing"):
+        validate(files_job(tmp_path, checkpoint, text_file, "eval.passkey.lengths=9"))
+
+
+def test_the_key_sits_at_the_whole_token_nearest_its_depth_which_names_its_figures(tmp_path):
+    from scripts.report import passkey_cells
+    tokenizer = passkey_tokenizer(tmp_path)
+    parts = HaystackParts(tokenizer, None)
+    key = parts.encode(" 12345")
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    where = []
+    for depth in depths:
+        ids, _ = parts.haystack(128, depth, "12345")
+        where.append(next(i for i in range(len(ids)) if ids[i:i + len(key)] == key))
+    # 128 tokens hold 57 of filler (71 are fixed): the key goes after 0, 14, 28, 43 and 57 of them, not at
+    # whole repeats of the 39-token filler sentence.
+    needle_start = where[0]
+    assert [position - needle_start for position in where] == [0, 14, 28, 43, 57]
+    grid = passkey_grid(tokenizer, 128, 1, lengths=1, depths=5, trials=1)
+    assert grid.placed == [split / 57 for split in (0, 14, 28, 43, 57)]
+    figures = Evaluator(Induction(len(tokenizer)), torch.device("cpu"), World.single(), 128, [], grid).evaluate()
+    assert {name for name in figures if name.startswith("eval/passkey/128/")} == {
+        f"eval/passkey/128/{depth}" for depth in (0, 25, 49, 75, 100)}
+    assert passkey_cells(figures)[1] == [0, 25, 49, 75, 100]        # the heatmap's depth axis

@@ -41,3 +41,41 @@ def test_a_stop_signal_checkpoints_before_the_evaluation_due_at_its_step(tmp_pat
     train(job_config(tmp_path, "max_steps=4", "eval.every_steps=2", "eval.at_start=false"))
     assert [r["step"] for r in records(tmp_path)] == [1, 2] and "eval/loss" not in records(tmp_path)[1]
     assert (tmp_path / "checkpoints" / "step-2" / "COMPLETE").is_file()
+
+
+def test_a_run_whose_steps_train_no_token_does_not_end_as_a_success(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from data import IGNORE_INDEX, DataError
+    real_stream = trainer.loop.data_stream
+
+    def untrained(*args, **kwargs):       # data that slipped past the data checks: no row has a target
+        stream = real_stream(*args, **kwargs)
+        real_next = type(stream).__next__
+
+        class Untrained(type(stream)):
+            def __next__(self):
+                batch = real_next(self)
+                batch.labels = torch.full_like(batch.labels, IGNORE_INDEX)
+                return batch
+        stream.__class__ = Untrained
+        return stream
+    monkeypatch.setattr(trainer.loop, "data_stream", untrained)
+    with pytest.raises(DataError, match="^no step of this run trained a token"):
+        train(job_config(tmp_path, "max_steps=2"))
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]
+    assert (tmp_path / "checkpoints" / "step-2").is_dir()        # what it did is kept
+
+
+def test_a_run_whose_every_step_was_skipped_as_nan_does_not_end_as_a_success(tmp_path, monkeypatch):
+    import dataclasses
+
+    import pytest
+
+    from data import DataError
+    real_step = trainer.loop.train_step
+    monkeypatch.setattr(trainer.loop, "train_step",        # fewer steps than max_bad_steps, none applied
+                        lambda *a, **k: dataclasses.replace(real_step(*a, **k), loss=float("nan"), applied=False))
+    with pytest.raises(DataError, match="^no step of this run trained a token: each of its 2 steps read no target"):
+        train(job_config(tmp_path, "max_steps=2"))

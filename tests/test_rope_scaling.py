@@ -2,6 +2,7 @@
 checkpoint gives the same logits (fp32) at positions four times beyond its original context, in both
 config.json layouts (transformers 5's `rope_parameters`, the older `rope_scaling` with `type`)."""
 import json
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from model import CausalLM, DecoderConfig
-from model.hf_checkpoint import HFCheckpointError, read_config
+from model.hf_checkpoint import HFCheckpointError, read_config, with_overrides
 from model.rope import rope_frequencies
 
 ORIGINAL = 64           # the checkpoint's trained context
@@ -143,3 +144,44 @@ def test_a_top_level_original_context_is_read_as_transformers_reads_it(tmp_path,
     ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert ours.config.rope_scaling["original_max_position_embeddings"] == ORIGINAL
     assert max_difference(our_logits(ours), expected) <= 1e-5
+
+
+# --- issue 47: values outside the domain transformers' rope validation states are refused, not trained ---
+
+@pytest.mark.parametrize("scaling,problem", [
+    ({"rope_type": "linear", "factor": 0.0}, "factor=0.0 must be a number >= 1"),
+    ({"rope_type": "dynamic", "factor": -2.0}, "factor=-2.0 must be a number >= 1"),
+    ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": ORIGINAL},
+     "factor=0.5 must be a number >= 1"),
+    ({"rope_type": "llama3", "factor": 0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": ORIGINAL}, "factor=0 must be a number >= 1"),
+    ({**ROPES["longrope"], "factor": 0.5}, "factor=0.5 must be a number >= 1"),
+    ({**ROPES["yarn"], "beta_fast": 1.0, "beta_slow": 32.0}, "beta_fast=1.0 must be greater than beta_slow=32.0"),
+    ({**ROPES["yarn"], "beta_fast": 1.0}, "beta_fast=1.0 must be greater than beta_slow=1 (its default)"),
+    ({**ROPES["yarn"], "attention_factor": 0.0}, "attention_factor=0.0 must be a positive number"),
+    ({**ROPES["yarn"], "attention_factor": -1.0}, "attention_factor=-1.0 must be a positive number"),
+    ({**ROPES["yarn"], "mscale": -10.0, "mscale_all_dim": 1.0},
+     "mscale=-10.0 and mscale_all_dim=1.0 give an attention factor of -0.339, which must be positive"),
+    ({**ROPES["longrope"], "attention_factor": -0.5}, "attention_factor=-0.5 must be a positive number"),
+    ({**ROPES["longrope"], "short_factor": [1.0] * 3},
+     "short_factor must be a list of 8 positive numbers (head_dim / 2)"),
+    ({**ROPES["longrope"], "long_factor": [1.0] * 7 + [0.0]}, "long_factor must be a list of 8 positive numbers"),
+    ({**ROPES["llama3"], "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     "low_freq_factor=4.0 must be below high_freq_factor=1.0"),
+])
+def test_rope_values_outside_their_domain_are_refused_naming_the_value(scaling, problem):
+    cfg = DecoderConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=LENGTH, rope_theta=10000.0)
+    with pytest.raises(ValueError, match="rope_scaling .*: " + re.escape(problem)):
+        with_overrides(cfg, {"rope_scaling": scaling})
+
+
+@pytest.mark.parametrize("factor", ["0", "-2.0"])
+def test_a_job_with_a_rope_factor_outside_its_domain_stops_before_anything_is_built(factor, tmp_path):
+    from conf.validate import ConfigError
+    from tests.jobs_support import job_config
+    from trainer.loop import train
+    cfg = job_config(tmp_path / "run", f"model.rope_scaling={{rope_type:linear,factor:{factor}}}")
+    with pytest.raises(ConfigError, match=f"^model.rope_theta / model.rope_scaling .*factor={factor} must be a number"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

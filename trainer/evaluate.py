@@ -25,7 +25,7 @@ import kernels
 from conf.schema.eval import evaluating, starts_with_eval
 from data import IGNORE_INDEX, Batch
 from data.held_out import held_out_data
-from data.passkey import PasskeyGrid, passkey_grid
+from data.passkey import PasskeyGrid, passkey_grid, passkey_lengths
 from data.tokenize import check_tokenizer_files, load_tokenizer
 from model import unwrap_model
 from offload.units import GIB
@@ -190,18 +190,23 @@ class Evaluator:
         return wrong + total
 
     def _passkey_figures(self, totals: list[float]) -> dict:
-        """Exact match per cell (every answer token right), averaged over trials, depths and lengths."""
+        """Exact match per cell (every answer token right), averaged over trials and over the depths whose keys
+        were placed at the same whole percent (named by that depth placed, PasskeyGrid.placed, not the depth
+        asked for: they differ in short haystacks), then over depths and lengths."""
         grid = self.passkey
-        cells = grid.cell_count
+        cells, per_length_cells = grid.cell_count, len(grid.depths) * grid.trials
         exact = [wrong == 0 and count > 0 for wrong, count in zip(totals[:cells], totals[cells:])]
         figures, per_length = {}, []
         for li, length in enumerate(grid.lengths):
-            row = []
-            for di, depth in enumerate(grid.depths):
+            by_depth: dict[int, list[bool]] = {}
+            for di in range(len(grid.depths)):
                 first = (li * len(grid.depths) + di) * grid.trials
-                row.append(sum(exact[first:first + grid.trials]) / grid.trials)
-                figures[f"eval/passkey/{length}/{round(100 * depth)}"] = row[-1]
-            figures[f"eval/passkey/{length}"] = sum(row) / len(row)
+                trials = range(first, first + grid.trials)
+                placed = round(100 * sum(grid.placed[cell] for cell in trials) / grid.trials)
+                by_depth.setdefault(placed, []).extend(exact[cell] for cell in trials)
+            figures |= {f"eval/passkey/{length}/{placed}": sum(hits) / len(hits) for placed, hits in by_depth.items()}
+            of_length = exact[li * per_length_cells:(li + 1) * per_length_cells]
+            figures[f"eval/passkey/{length}"] = sum(of_length) / len(of_length)
             per_length.append(figures[f"eval/passkey/{length}"])
         figures["eval/passkey/accuracy"] = sum(per_length) / len(per_length)
         return figures
@@ -248,20 +253,43 @@ def evaluator_for(cfg, model: torch.nn.Module, device: torch.device, world: Worl
                      cfg.eval.passkey.every_steps, cfg.max_steps)
 
 
-def passkey_for(cfg, held_out_text: list[int] | None, world: World) -> PasskeyGrid | None:
-    """The passkey grid with model.path's tokenizer; None without one (the recall task's held-out accuracy
-    stands in) or with eval.passkey.lengths=0."""
-    settings = cfg.eval.passkey
-    if not settings.lengths or not cfg.model.path:
+def passkey_tokenizer(cfg):
+    """model.path's tokenizer for the passkey probe; None when there is no probe: evaluation off,
+    eval.passkey.lengths=0, or no tokenizer (the recall task's held-out accuracy stands in)."""
+    if not evaluating(cfg.eval) or cfg.eval.passkey.lengths == 0 or not cfg.model.path:
         return None
     try:
         check_tokenizer_files(cfg.model.path)
     except ValueError:
-        log.info("eval: no passkey probe (model.path has no tokenizer)")
+        return None
+    return load_tokenizer(cfg.model.path)
+
+
+def check_passkey(cfg) -> None:
+    """Before anything is built: the probe's haystack lengths (given, or derived from seq_len) against the
+    shortest haystack model.path's tokenizer allows (DataError naming eval.passkey.lengths and the fix)."""
+    tokenizer = passkey_tokenizer(cfg)
+    if tokenizer is not None:
+        settings = cfg.eval.passkey
+        passkey_lengths(tokenizer, cfg.seq_len, settings.lengths, settings.depths, settings.trials)
+
+
+def passkey_for(cfg, held_out_text: list[int] | None, world: World) -> PasskeyGrid | None:
+    """The passkey grid with model.path's tokenizer; None without a probe (passkey_tokenizer) or when no
+    haystack length derived from seq_len fits this tokenizer (logged)."""
+    settings = cfg.eval.passkey
+    tokenizer = passkey_tokenizer(cfg)
+    if tokenizer is None:
+        if settings.lengths != 0 and cfg.model.path:
+            log.info("eval: no passkey probe (model.path has no tokenizer)")
+        return None
+    if not passkey_lengths(tokenizer, cfg.seq_len, settings.lengths, settings.depths, settings.trials):
+        log.info("eval: no passkey probe: seq_len=%d is shorter than the shortest haystack this tokenizer allows",
+                 cfg.seq_len)
         return None
     filler = None if settings.filler == "builtin" else held_out_text
-    return passkey_grid(load_tokenizer(cfg.model.path), cfg.seq_len, cfg.batch_size, settings.lengths,
-                        settings.depths, settings.trials, filler, world.data_parallel)
+    return passkey_grid(tokenizer, cfg.seq_len, cfg.batch_size, settings.lengths, settings.depths, settings.trials,
+                        filler, world.data_parallel)
 
 
 def evaluate_at_start(cfg, evaluator: Evaluator | None, resumed: bool) -> dict:

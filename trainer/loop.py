@@ -27,12 +27,12 @@ from omegaconf import OmegaConf
 import kernels
 from conf.schema.job import resolve_device
 from conf.validate import validate
-from data import build_data, preflight_data
+from data import DataError, build_data, preflight_data
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
-from trainer.architecture import context_summary, record_architecture, trained_context
+from trainer.architecture import context_summary, model_architecture, record_architecture, trained_context
 from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
                            release_sequence_group)
 from trainer.checkpoint.format import Progress
@@ -40,7 +40,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
 from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
-from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
+from trainer.evaluate import Evaluator, build_evaluator, check_passkey, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
@@ -87,6 +87,7 @@ def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None =
     training = validate(cfg)
     record_architecture(cfg, given_keys=given_keys)
     preflight_data(cfg.data, cfg.model.path, cfg.eval.path)
+    check_passkey(cfg)
     device = rank_device(resolve_device(cfg.device))
     world = init_world(cfg.parallel.sequence, device)
     try:
@@ -133,6 +134,8 @@ class Job:
     # checkpoint comes first): the one place evaluation and other per-step work plug in (docs/JOBS.md,
     # "Metrics").
     after_step: list[Callable[[Job, int, dict], None]] = dataclasses.field(default_factory=list)
+    # Target tokens of this job's applied steps (of all ranks): none at the last step is a failed job.
+    trained: int = 0
 
 
 def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
@@ -152,15 +155,17 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
 def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
               world: World) -> Job:
-    """Choose the checkpoint to resume, build the model (and check it fits the checkpoint), write config.yaml,
-    build the data, optimizer and records, and restore the checkpoint's state last (so the RNG streams continue
-    exactly where it left them)."""
+    """Choose the checkpoint to resume, build the data, build the model (and check it fits the checkpoint),
+    write config.yaml, build the optimizer and records, and restore the checkpoint's state last (so the RNG
+    streams continue exactly where it left them)."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = agreed_checkpoint(cfg, checkpoints, world)
     world.barrier()     # every rank has read it before rank 0 writes anything
     kept_warmup = keep_started_warmup(cfg, loaded) if loaded and auto_warmup else None
     training += f"; {kept_warmup}" if kept_warmup else ""
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    # Before the model: data that cannot train (trains no token, a bad record) stops the job at no cost.
+    stream = data_stream(cfg, model_architecture(cfg).vocab_size, world)
     built = build_model(cfg, device, plan, resumed=loaded is not None,
                         sequence_group=world.sequence_group if world.sequence > 1 else None)
     model = built.model
@@ -173,7 +178,6 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
         shard_model(model, world, device)
     # Pinning costs ~0.6 s per GiB: do it now, so the first step's time and the W&B step times are real.
     built.policy.pin_buffers(built.plan.shape)
-    stream = data_stream(cfg, model.config.vocab_size, world)
     evaluator = build_evaluator(cfg, model, device, world)
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
@@ -296,6 +300,7 @@ def run_step(job: Job, step: int) -> tuple[bool, dict]:
     wait_for_device(device)
     step_time = time.perf_counter() - started
     job.guard.record(result.applied)
+    job.trained += result.supervised if result.applied else 0
     progress = job.progress
     progress.step, progress.tokens_seen = step, progress.tokens_seen + result.tokens
     progress.skipped_steps = job.guard.skipped
@@ -319,7 +324,8 @@ def record_step(job: Job, step: int, applied: bool, metrics: dict) -> dict:
 
 def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bool) -> bool:
     """Checkpoint after `step` when the job is `stopping` (a signal), at the last step, or when one is `due`
-    after a good step; returns whether the job stops here."""
+    after a good step; returns whether the job stops here. After the last step's checkpoint, a job that trained
+    no token fails (check_trained)."""
     # A skipped step left the weights untouched, so saving after it is safe; periodic saves still wait for a
     # good step, so "the last checkpoint" is never taken mid-divergence.
     if stopping or step == job.cfg.max_steps or (applied and due):
@@ -327,9 +333,22 @@ def checkpoint_after(job: Job, step: int, applied: bool, stopping: bool, due: bo
         job.last_checkpoint = job.checkpoints.save(job.model, job.optimizer, job.scheduler, job.stream, job.progress,
                                                    job.config_yaml, job.world)
         job.bar.write(f"checkpoint {job.last_checkpoint} written in {time.perf_counter() - saving:.1f}s")
+    if step == job.cfg.max_steps:
+        check_trained(job)
     if stopping:
         job.bar.write(f"stopped by signal after step {step}; continue with output_dir={job.run_dir}")
     return stopping
+
+
+def check_trained(job: Job) -> None:
+    """DataError when the job ran its steps to max_steps without training one target token (each step read
+    none, a loss of 0, or was skipped for a NaN/Inf loss): nothing was learned, so it must not exit 0."""
+    ran = job.progress.step - job.first_step
+    if ran and not job.trained:
+        raise DataError(f"no step of this run trained a token: each of its {ran} steps read no target (loss 0) or "
+                        f"was skipped (loss or gradients NaN/Inf), so nothing was learned: check data.*, seq_len="
+                        f"{job.cfg.seq_len} and model.rope_* (docs/DATA.md); {job.last_checkpoint} holds what the "
+                        f"steps did")
 
 
 def finish_job(job: Job, completed: bool) -> None:

@@ -21,8 +21,11 @@ PASSKEY_FILLERS = ("auto", "held_out", "builtin")
 class PasskeyConfig:
     """Passkey retrieval: a random key hidden at several depths of haystacks of several lengths, asked for
     at the end; needs the run's tokenizer (model.path). lengths=0 turns it off."""
-    # Haystack lengths: seq_len, seq_len/2, ... (this many, halving).
-    lengths: int = 4
+    # Haystack lengths: seq_len, seq_len/2, ... (this many, halving); None: those of them (at most 4) at least
+    # as long as the shortest haystack the tokenizer allows (its instruction, key and question, and 32 tokens
+    # of filler), so the default runs at any seq_len. A number given is checked against that before
+    # anything is built.
+    lengths: Optional[int] = None
     # Depths of the key, evenly from 0% (start) to 100% (just before the question).
     depths: int = 5
     # Haystacks per (length, depth), each with its own key.
@@ -69,10 +72,13 @@ def check_eval(cfg) -> None:
     """The eval settings of a composed JobConfig, against the data source they take held-out data from."""
     eval_cfg, passkey = cfg.eval, cfg.eval.passkey
     for name, value, least in (("every_steps", eval_cfg.every_steps, 0), ("sequences", eval_cfg.sequences, 1),
-                               ("passkey.lengths", passkey.lengths, 0), ("passkey.depths", passkey.depths, 1),
+                               ("passkey.lengths", passkey.lengths or 0, 0), ("passkey.depths", passkey.depths, 1),
                                ("passkey.trials", passkey.trials, 1), ("passkey.every_steps", passkey.every_steps, 0)):
         if value < least:
             raise ConfigError(f"eval.{name}={value} must be at least {least}")
+    if passkey.lengths and cfg.seq_len >> (passkey.lengths - 1) < 1:
+        raise ConfigError(f"eval.passkey.lengths={passkey.lengths} halves seq_len={cfg.seq_len} down to nothing: set "
+                          f"fewer, or leave it unset (derived from seq_len)")
     if not 0.0 <= eval_cfg.fraction < 1.0:
         raise ConfigError(f"eval.fraction={eval_cfg.fraction} must be in [0, 1) (e.g. 0.01 holds out 1% of the "
                           f"documents)")
