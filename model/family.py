@@ -4,7 +4,7 @@ other layer reads instead of knowing an architecture by name.
 All families share one decoder (model/decoder.py: RMSNorm, attention with RoPE, SwiGLU MLP, transformers'
 parameter names); a family says which of the shared layer's options it uses (`LayerOps`), how its
 config.json is spelled (model types, class names, the keys and defaults that differ from Llama's) and what
-it refuses to load. From that, `projection_shapes`, `norm_shapes` and `saved_by_norms` give the planner
+it refuses to load. From that, `projection_shapes`, `norm_shapes` and `saved_by_qk_norm` give the planner
 (offload/byte_model.py) the layer's parameters and what its ops keep for the backward, and the checkpoint
 loader, the export, FP8, LoRA, sharding and the memory policy walk the same modules whatever the family.
 Adding a family that reuses the shared ops is one module in model/families/ and one entry in its registry
@@ -38,8 +38,6 @@ class ModelFamily:
     hf_constants: Mapping[str, Any] = field(default_factory=dict)
     # config.json keys that must hold these values, or the checkpoint is refused (options not built here).
     required: Mapping[str, Any] = field(default_factory=dict)
-    # The projections LoRA adapts by default (train.lora_target_modules names them).
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def refusal(self, values: Mapping[str, Any]) -> str | None:
         """Why a config.json of this family cannot be built (an option this decoder lacks), or None."""
@@ -107,7 +105,8 @@ def family_of_config(values: Mapping[str, Any]) -> ModelFamily:
 
 
 def projection_shapes(arch) -> dict[str, tuple[int, int]]:
-    """(input, output) width of each of a decoder layer's projections (`arch`: a DecoderConfig)."""
+    """(input, output) width of each of a decoder layer's projections (`arch`: a DecoderConfig), by the names
+    peft's LoRA targets (train.lora_target_modules) in every family."""
     d, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
             "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),

@@ -46,7 +46,8 @@ def read_config(path: Path, overrides: dict | None = None) -> DecoderConfig:
         raise HFCheckpointError(f"{path} has no config.json: expected a Hugging Face model directory "
                               f"(config.json and *.safetensors)")
     values = read_json(config_file)
-    values.setdefault("model_type", "llama")      # files written before transformers named it
+    if "model_type" not in values and "architectures" not in values:
+        values["model_type"] = "llama"          # files written before transformers named either
     try:
         return with_overrides(DecoderConfig.from_dict(values), overrides or {})
     except ValueError as error:
