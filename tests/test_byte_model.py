@@ -50,11 +50,12 @@ LORA_CASES = [("lora", 0.0, ALL_SEVEN), ("lora", 0.3, ALL_SEVEN), ("lora", 0.0, 
 LORA_IDS = ["lora", "lora-dropout", "lora-some"]
 
 
-def measured_layer(build, tiles: int, dtype: torch.dtype) -> int:
+def measured_layer(build, tiles: int, dtype: torch.dtype, arch: DecoderConfig | None = None) -> int:
     kernels.set_backend("triton")
     try:
         torch.manual_seed(0)
-        return kept_bytes(build(CausalLM.from_config(DecoderConfig(**SHAPE), dtype=dtype)), tiles, dtype)
+        model = CausalLM.from_config(arch or DecoderConfig(**SHAPE), dtype=dtype)
+        return kept_bytes(build(model), tiles, dtype)
     finally:
         kernels.set_backend("auto")
 
@@ -94,3 +95,25 @@ def test_a_full_llama3_8b_lora_layer_keeps_six_and_a_half_activations():
     attention = projection_shapes(shape.arch)
     adapter_copies = 2 * 16 * sum(sum(attention[name]) for name in ALL_SEVEN[:4])    # bf16, 0.8 MiB
     assert full_layer_bytes(shape, lora, mlp_tiled=True) == 6.5 * shape.activation + small + adapter_copies
+
+
+# Qwen3's layer: QK-norm over heads of 64 whose width (4 x 64) is not the residual's (128).
+QWEN3 = dict(SHAPE, family="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@conftest_kernels.needs_interpreter
+@pytest.mark.parametrize("mode, dtype, tiles", [("full", torch.float32, 1), ("lora", torch.float32, 2),
+                                                ("lora", torch.bfloat16, 1)],
+                         ids=["full", "lora-tiled", "lora-as-on-a-gpu"])
+def test_a_qwen3_full_layer_keeps_what_the_byte_model_counts(mode, dtype, tiles):
+    """QK-norm's inputs and rstds (model.family.saved_by_qk_norm) beside the rest of the layer."""
+    train = lora_config(0.0, ALL_SEVEN) if mode == "lora" else SimpleNamespace(mode="full")
+    wrap = apply_lora if dtype == torch.float32 else lora_model
+    build = (lambda model: wrap(model, train)) if mode == "lora" else (lambda model: model)
+    arch = DecoderConfig(**QWEN3)
+    measured = measured_layer(build, tiles, dtype, arch)
+    act = 4 if dtype == torch.float32 else 2
+    assert measured == full_layer_bytes(Shape(arch, TOKENS, act), train, tiles > 1, "cpu")
+    without_qk_norm = full_layer_bytes(Shape(DecoderConfig(**{**QWEN3, "family": "llama"}), TOKENS, act), train,
+                                       tiles > 1, "cpu")
+    assert measured - without_qk_norm == TOKENS * (4 + 2) * (64 * act + 4)
