@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from model.family import ModelFamily, family_named, family_of_config, sliding_window_refusal
+from model.families import family_named, family_of_config
+from model.family import ModelFamily, sliding_window_refusal
 
 # The rope types transformers implements for Llama (model.rope computes them with transformers' code), with
 # the rope_scaling keys each reads.

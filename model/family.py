@@ -7,8 +7,8 @@ config.json is spelled (model types, class names, the keys and defaults that dif
 it refuses to load. From that, `projection_shapes`, `norm_shapes` and `saved_by_qk_norm` give the planner
 (offload/byte_model.py) the layer's parameters and what its ops keep for the backward, and the checkpoint
 loader, the export, FP8, LoRA, sharding and the memory policy walk the same modules whatever the family.
-Adding a family that reuses the shared ops is one module in model/families/ and one entry in its registry
-(docs/ARCHITECTURE.md, "Adding a model family").
+Adding a family that reuses the shared ops is one module in model/families/ and one entry in the registry
+there (model/families/__init__.py; docs/ARCHITECTURE.md, "Adding a model family").
 """
 from __future__ import annotations
 
@@ -67,41 +67,6 @@ def sliding_window_refusal(values: Mapping[str, Any]) -> str | None:
         return None
     return (f"its attention is windowed (sliding_window={window}), and only full causal attention is built here: "
             f"training it would attend past the window the model was trained with")
-
-
-# The registry: model/families/__init__.py registers the built-in families.
-FAMILIES: dict[str, ModelFamily] = {}
-
-
-def register_family(family: ModelFamily) -> ModelFamily:
-    """Make `family` known by its name and model types (a model type another family claims is an error)."""
-    for known in FAMILIES.values():
-        shared = sorted(set(known.model_types) & set(family.model_types))
-        if known.name != family.name and shared:
-            raise ValueError(f"family {family.name!r} claims model_type {shared}, which is {known.name!r}'s")
-    FAMILIES[family.name] = family
-    return family
-
-
-def family_named(name: str) -> ModelFamily:
-    """The family called `name` (model.family); ValueError listing the known ones."""
-    import model.families  # noqa: F401  (registers the built-in families)
-    if name not in FAMILIES:
-        raise ValueError(f"model family {name!r} is not one of {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[name]
-
-
-def family_of_config(values: Mapping[str, Any]) -> ModelFamily:
-    """The family a Hugging Face config.json describes (its `model_type`, else its `architectures`)."""
-    import model.families  # noqa: F401  (registers the built-in families)
-    model_type = values.get("model_type")
-    architectures = values.get("architectures") or ()
-    for family in FAMILIES.values():
-        if model_type in family.model_types or (model_type is None and family.hf_architecture in architectures):
-            return family
-    described = f"model_type={model_type!r}" if model_type else f"architectures={list(architectures)}"
-    known = ", ".join(f"{family.name} ({'/'.join(family.model_types)})" for family in FAMILIES.values())
-    raise ValueError(f"it describes {described}, which is not a model family built here: {known}")
 
 
 def projection_shapes(arch) -> dict[str, tuple[int, int]]:

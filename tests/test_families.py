@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from model import CausalLM, DecoderConfig, HFCheckpointError
-from model.family import FAMILIES, LayerOps, ModelFamily, register_family
+from model.families import FAMILIES, register_family
+from model.family import LayerOps, ModelFamily
 from tests.jobs_support import REPO, job_config, losses, single_torch_thread  # noqa: F401
 from trainer.loop import train
 
