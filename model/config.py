@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from model.families import family_named, family_of_config
-from model.family import ModelFamily, sliding_window_refusal
+from model.families import DEFAULT_FAMILY, family_named, family_of_config
+from model.family import LayerOps, ModelFamily, sliding_window_refusal
 
 # The rope types transformers implements for Llama (model.rope computes them with transformers' code), with
 # the rope_scaling keys each reads.
@@ -29,7 +29,7 @@ ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
 @dataclass
 class DecoderConfig:
     # The model family (model.family; model/families/); the other defaults are Llama-3 8B's.
-    family: str = "llama"
+    family: str = DEFAULT_FAMILY
     vocab_size: int = 128256
     hidden_size: int = 4096
     intermediate_size: int = 14336
@@ -61,7 +61,7 @@ class DecoderConfig:
         return family_named(self.family)
 
     @property
-    def ops(self):
+    def ops(self) -> LayerOps:
         """The shared layer's optional ops this family uses (model.family.LayerOps)."""
         return self.spec.layer
 
@@ -83,16 +83,15 @@ class DecoderConfig:
         refusal = family.refusal(values)
         if refusal:
             raise ValueError(refusal)
-        values = {key: value for key, value in values.items() if value is not None}
         rope_parameters = values.pop("rope_parameters", None)
         if rope_parameters:
-            values.setdefault("rope_theta", rope_parameters.get("rope_theta", family.defaults.get("rope_theta")))
+            values.setdefault("rope_theta", rope_parameters.get("rope_theta"))
             values["rope_scaling"] = rope_parameters
         values["rope_scaling"] = with_original_context(values.get("rope_scaling"),
                                                        values.pop("original_max_position_embeddings", None))
-        values = {**family.defaults, **values, "family": family.name}
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+        given = {key: value for key, value in values.items() if key in names and value is not None}
+        return cls(**{**family.defaults, **given, "family": family.name})
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style dict that peft and loggers read as `model.config`."""

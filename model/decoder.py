@@ -40,9 +40,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.q_heads * self.head_dim, cfg.hidden_size, bias=False)
-        if cfg.ops.qk_norm:      # one RMSNorm weight over head_dim, shared by every head
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # QK-norm: one RMSNorm weight over head_dim, shared by every head; absent (no parameters) elsewhere
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.ops.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.ops.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +50,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seqlen, self.q_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seqlen, self.kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.rope(q, k, *rope)   # new rotated tensors (kernels/rope_triton.py says why not in place)
         out = kernels.attention.attention(q, k, v, self.route, causal=True, cu_seqlens=cu_seqlens)

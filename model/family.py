@@ -32,7 +32,7 @@ class ModelFamily:
     hf_architecture: str                        # config.json `architectures` of an export (transformers' class)
     layer: LayerOps = LayerOps()
     # config.json values a checkpoint may leave out, where the family's transformers config class defaults
-    # differently from Llama's (DecoderConfig's own defaults).
+    # differently from DecoderConfig's own defaults (Llama-3 8B's).
     defaults: Mapping[str, Any] = field(default_factory=dict)
     # Fixed config.json keys an export writes (the options of transformers' class this decoder builds).
     hf_constants: Mapping[str, Any] = field(default_factory=dict)
@@ -56,6 +56,10 @@ def active_sliding_window(values: Mapping[str, Any]) -> int | None:
         return None
     layer_types = values.get("layer_types")
     if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    # Qwen2/3 files without layer_types window the layers from max_window_layers on (transformers' rule).
+    if layer_types is None and values.get("use_sliding_window") and \
+            values.get("max_window_layers", 0) >= values.get("num_hidden_layers", 0) > 0:
         return None
     return int(window)
 

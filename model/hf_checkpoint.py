@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import ORIGINAL_CONTEXT_TYPES, DecoderConfig
+from model.families import DEFAULT_FAMILY
 from model.rope import check_rope
 from storage.atomic import atomic_directory
 
@@ -47,7 +48,7 @@ def read_config(path: Path, overrides: dict | None = None) -> DecoderConfig:
                               f"(config.json and *.safetensors)")
     values = read_json(config_file)
     if "model_type" not in values and "architectures" not in values:
-        values["model_type"] = "llama"          # files written before transformers named either
+        values["family"] = DEFAULT_FAMILY           # files written before transformers named either
     try:
         return with_overrides(DecoderConfig.from_dict(values), overrides or {})
     except ValueError as error:
@@ -156,13 +157,13 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our model's weights under Hugging Face names, without a tied head (safetensors stores each tensor
     once). For a peft model: the frozen base, without the adapters."""
     lora = is_lora(model)
-    llama = unwrap_model(model)
+    lm = unwrap_model(model)
     weights = {}
-    for name, tensor in llama.state_dict().items():
+    for name, tensor in lm.state_dict().items():
         if lora and "lora_" in name:
             continue
         weights[name.replace(".base_layer.", ".")] = tensor.detach().contiguous()
-    if llama.config.tie_word_embeddings:
+    if lm.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return weights
 

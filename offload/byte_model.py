@@ -29,14 +29,19 @@ from model.family import norm_shapes, projection_shapes, saved_by_qk_norm
 from offload.units import GIB
 
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
-# input, prefetched next input, recomputed output, norms, q/k/v, attention output and their gradients).
+# input, prefetched next input, recomputed output, norms, q/k/v, attention output and their gradients), of
+# which q, the attention output and their gradients are [tokens, heads x head_dim] (Shape.query: the same
+# size where heads x head_dim is the hidden size, as in the 8B models; wider in some other sizes).
 BACKWARD_ACTIVATIONS = 11.0
+BACKWARD_QUERY_WIDE = 4
 # The loss phase: last hidden state (kept by the final norm), normed copy, its gradient.
 LOSS_ACTIVATIONS = 3.0
 # An evaluation's forward without grad (trainer.evaluate): live [tokens, hidden] activations at a layer's
 # fullest (its input, the normed input, q and its rotation, the attention output and its projection, the
-# residual sum) and one MLP tile's gate, up and product; the loss's final hidden state and its norm.
+# residual sum; q, its rotation and the attention output query-wide) and one MLP tile's gate, up and product;
+# the loss's final hidden state and its norm.
 EVAL_FORWARD_ACTIVATIONS = 7.0
+EVAL_QUERY_WIDE = 3
 EVAL_MLP_TILE_INTERMEDIATES = 3
 EVAL_LOSS_ACTIVATIONS = 2.0
 # The fused linear-cross-entropy's temporaries (kernels.linear_cross_entropy_triton.DEFAULT_MEMORY_BUDGET + slack).
@@ -150,12 +155,20 @@ class Shape:
         return self.tokens * self.arch.hidden_size * self.act_bytes
 
     @property
+    def query(self) -> int:          # one [tokens, heads x head_dim] tensor: q, or the attention output
+        return self.tokens * self.arch.num_attention_heads * self.arch.head_dim * self.act_bytes
+
+    def activations(self, count: float, query_wide: int) -> int:
+        """`count` activations of a layer, `query_wide` of them [tokens, heads x head_dim] (Shape.query)."""
+        return int((count - query_wide) * self.activation) + query_wide * self.query
+
+    @property
     def attention_output(self) -> tuple[int, int]:     # one layer's attention output and fp32 lse
         heads = self.arch.num_attention_heads
         return self.tokens * heads * self.arch.head_dim * self.act_bytes, self.tokens * heads * 4
 
     @property
-    def output_fits_input_slot(self) -> bool:         # true of Llamas: heads * head_dim == hidden_size
+    def output_fits_input_slot(self) -> bool:         # where heads * head_dim <= hidden_size
         """Whether an attention output fits a layer input's pinned buffer (offload.store.rebuilds_attention)."""
         return self.attention_output[0] <= self.activation
 
@@ -202,7 +215,7 @@ def _layer_backward(shape: Shape, tile_tokens: int, attention_kernel: str) -> di
         attention_label = "attention stats+workspace"
     mlp_tile = MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes
     # QK-norm's recomputed inputs (q and k before the norm) and their gradients, beside the calibrated count
-    activations = (int(BACKWARD_ACTIVATIONS * shape.activation)
+    activations = (shape.activations(BACKWARD_ACTIVATIONS, BACKWARD_QUERY_WIDE)
                    + 2 * shape.tokens * saved_by_qk_norm(arch, shape.act_bytes))
     return {"layer backward activations": activations, attention_label: attention_stats, "MLP tile": mlp_tile}
 
@@ -217,7 +230,7 @@ def eval_forward_bytes(shape: Shape, tile_tokens: int) -> int:
     activations, the attention statistics, one MLP tile's intermediates) or the loss's, whichever is larger.
     Each is counted below its training counterpart (the backward's and the loss with its gradient)."""
     arch = shape.arch
-    layer = (int(EVAL_FORWARD_ACTIVATIONS * shape.activation) + shape.tokens * arch.num_attention_heads * 4
+    layer = (shape.activations(EVAL_FORWARD_ACTIVATIONS, EVAL_QUERY_WIDE) + shape.tokens * arch.num_attention_heads * 4
              + EVAL_MLP_TILE_INTERMEDIATES * tile_tokens * arch.intermediate_size * shape.act_bytes)
     loss = int(EVAL_LOSS_ACTIVATIONS * shape.activation) + LCE_WORKSPACE + shape.tokens * 8
     return max(layer, loss)

@@ -117,3 +117,23 @@ def test_a_qwen3_full_layer_keeps_what_the_byte_model_counts(mode, dtype, tiles)
     without_qk_norm = full_layer_bytes(Shape(DecoderConfig(**{**QWEN3, "family": "llama"}), TOKENS, act), train,
                                        tiles > 1, "cpu")
     assert measured - without_qk_norm == TOKENS * (4 + 2) * (64 * act + 4)
+
+
+def test_a_layer_backward_counts_q_and_the_attention_output_at_their_own_width():
+    """Qwen3-4B's 32 heads of 128 are wider than its 2560-wide residual: q, the attention output and their
+    gradients in a layer's backward (and q, its rotation and the output in an evaluation's forward) are
+    counted at 4096, not 2560."""
+    import dataclasses
+
+    from offload.byte_model import _layer_backward, eval_forward_bytes
+    wide = DecoderConfig(family="qwen3", hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128)
+    as_wide_as_hidden = dataclasses.replace(wide, num_attention_heads=20, num_key_value_heads=4)  # 20 x 128 = 2560
+    tokens, act = 32768, 2
+    from model.family import saved_by_qk_norm
+    qk_norm_difference = 2 * tokens * (saved_by_qk_norm(wide, act) - saved_by_qk_norm(as_wide_as_hidden, act))
+    backward = [_layer_backward(Shape(arch, tokens, act), tokens, "flash")["layer backward activations"]
+                for arch in (wide, as_wide_as_hidden)]
+    assert backward[0] - backward[1] == 4 * tokens * 12 * 128 * act + qk_norm_difference
+    evaluation = [eval_forward_bytes(Shape(arch, tokens, act), tokens) for arch in (wide, as_wide_as_hidden)]
+    assert evaluation[0] - evaluation[1] == 3 * tokens * 12 * 128 * act + tokens * 12 * 4

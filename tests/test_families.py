@@ -4,6 +4,7 @@ config.json, windowed attention is refused, and a family defined in one place tr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,16 +160,24 @@ def test_the_export_config_is_the_family_class(tmp_path):
     assert DecoderConfig.from_dict(values) == ours.config
 
 
-def test_a_group_of_another_family_with_a_checkpoint_is_an_error_naming_it(tmp_path):
+def test_model_path_picks_the_family_and_a_different_one_given_is_an_error_naming_it(tmp_path, caplog):
     from conf.validate import ConfigError
-    from trainer.architecture import model_architecture
+    from trainer.architecture import model_architecture, record_architecture
     save_hf(tmp_path / "base", "qwen3")
-    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}")
-    with pytest.raises(ConfigError, match=r"model=tiny is a llama model and model.path's config.json .* describes "
-                                          r"a qwen3 one: choose a qwen3 model group"):
-        model_architecture(cfg)
-    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}", "model.family=qwen3")
-    assert model_architecture(cfg).family == "qwen3"
+    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}")      # model=tiny: a llama group
+    assert record_architecture(cfg).family == "qwen3" and cfg.model.family == "qwen3"
+    assert "model.family=llama (built: qwen3)" in caplog.text
+    cfg = job_config(tmp_path / "run", f"model.path={tmp_path / 'base'}", "model.family=llama")
+    with pytest.raises(ConfigError, match=r"^model.family=llama differs from qwen3 in model.path's config.json"):
+        model_architecture(cfg, given_keys={"family"})
+
+
+def test_a_family_the_settings_name_but_nobody_built_is_one_line():
+    from conf.validate import ConfigError
+    from trainer.architecture import architecture
+    cfg = job_config(Path("/nonexistent"), "model.family=qwen9")
+    with pytest.raises(ConfigError, match=r"^model.family='qwen9': model family 'qwen9' is not one of llama, qwen3"):
+        architecture(cfg.model)
 
 
 @pytest.fixture
@@ -264,7 +273,7 @@ def test_qwen3_trains_evaluates_resumes_and_exports_through_the_trainer(tmp_path
 
     from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
     base = qwen3_checkpoint(tmp_path / "base")
-    job = [f"train={mode}", f"model.path={base}", "model.family=qwen3", "optim.lr=1e-2", "eval.every_steps=2",
+    job = [f"train={mode}", f"model.path={base}", "optim.lr=1e-2", "eval.every_steps=2",
            "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
     train(job_config(tmp_path / "straight", *job, "max_steps=4"))
     train(job_config(tmp_path / "resumed", *job, "max_steps=2"))

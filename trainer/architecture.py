@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from conf.schema.model import ARCHITECTURE_KEYS, GROUP_DIR, MISSING, ModelConfig
 from conf.validate import ConfigError
 from model import DecoderConfig
+from model.families import DEFAULT_FAMILY, family_named
 from model.hf_checkpoint import ROPE_OVERRIDE_KEYS, read_config, with_overrides
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 def model_values(model_cfg) -> dict:
     """The model settings as a plain dict; a run recorded before model families were named built a Llama."""
     values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
-    values.setdefault("family", "llama")
+    values.setdefault("family", DEFAULT_FAMILY)
     return values
 
 
@@ -76,9 +77,10 @@ def architecture(model_cfg) -> DecoderConfig:
     settings left None take DecoderConfig's defaults."""
     values = model_values(model_cfg)
     try:
-        base = DecoderConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
+        family_named(values["family"])
     except ValueError as error:
         raise ConfigError(f"model.family={values['family']!r}: {error}") from None
+    base = DecoderConfig.from_dict({key: values[key] for key in ARCHITECTURE_KEYS if key != "rope_scaling"})
     return with_rope(base, {"rope_scaling": values["rope_scaling"]})
 
 
@@ -104,12 +106,7 @@ def model_architecture(cfg, given_keys: set[str] | None = None) -> DecoderConfig
     if not cfg.model.path:
         return architecture(cfg.model)
     checkpoint = checkpoint_architecture(cfg)
-    values = model_values(cfg.model)
-    if values["family"] != checkpoint.family:
-        raise ConfigError(f"model={cfg.model.name} is a {values['family']} model and model.path's config.json "
-                          f"({cfg.model.path}) describes a {checkpoint.family} one: choose a {checkpoint.family} "
-                          f"model group (README, \"Model families\") or model.family={checkpoint.family}")
-    given = given_architecture(values, given_keys)
+    given = given_architecture(model_values(cfg.model), given_keys)
     for key, value in given.items():
         if key not in ROPE_OVERRIDE_KEYS and value != getattr(checkpoint, key):
             raise ConfigError(f"model.{key}={value} differs from {getattr(checkpoint, key)} in model.path's "

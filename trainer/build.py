@@ -218,10 +218,11 @@ def apply_lora(model: CausalLM, train_cfg, base_path: str | None = None) -> torc
     """Wrap in peft LoRA adapters; the base is frozen and the adapters are kept in fp32.
 
     The saved adapter_config.json names `base_path` and task_type CAUSAL_LM, so that
-    peft.AutoPeftModelForCausalLM.from_pretrained(<adapter dir>) loads it onto transformers' Llama. Both are
-    set after wrapping: get_peft_model would replace the path with the model's own name_or_path, and with a
-    task type it would pick peft's causal-LM wrapper, whose forward passes transformers' generation
-    arguments that our Llama does not take; the generic wrapper keeps our forward as it is."""
+    peft.AutoPeftModelForCausalLM.from_pretrained(<adapter dir>) loads it onto transformers' class of the
+    family. Both are set after wrapping: get_peft_model would replace the path with the model's own
+    name_or_path, and with a task type it would pick peft's causal-LM wrapper, whose forward passes
+    transformers' generation arguments that our CausalLM does not take; the generic wrapper keeps our forward
+    as it is."""
     from peft import LoraConfig, get_peft_model
     lora = LoraConfig(r=train_cfg.lora_r, lora_alpha=train_cfg.lora_alpha, lora_dropout=train_cfg.lora_dropout,
                       target_modules=list(train_cfg.lora_target_modules), bias="none")

@@ -23,8 +23,8 @@ def shard_model(model: torch.nn.Module, world: World, device: torch.device) -> N
     """Shard each decoder layer of `model` over `world`, then the rest (embeddings, final norm, head) as
     the root; in place."""
     mesh = init_device_mesh(device.type, (world.size,))
-    llama = unwrap_model(model)
-    sharded = [*llama.model.layers, llama]
+    lm = unwrap_model(model)
+    sharded = [*lm.model.layers, lm]
     for module in sharded:
         fully_shard(module, mesh=mesh)
     for module in sharded:

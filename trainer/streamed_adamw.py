@@ -34,8 +34,8 @@ from offload.engine import CopyEngine, HostCopy, PendingTensor
 def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
     """Trainable parameters grouped by decoder layer (a layer's gradients are complete together in the
     backward), in forward order; every other parameter is a unit of its own. Tied tensors appear once."""
-    llama = unwrap_model(model)
-    layer_of = {id(p): i for i, layer in enumerate(llama.model.layers) for p in layer.parameters()}
+    lm = unwrap_model(model)
+    layer_of = {id(p): i for i, layer in enumerate(lm.model.layers) for p in layer.parameters()}
     units, layer_units, seen = [], {}, set()
     for param in model.parameters():
         if not param.requires_grad or id(param) in seen:

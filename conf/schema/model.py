@@ -14,8 +14,8 @@ MISSING = "???"     # omegaconf.MISSING, spelled out so this module needs no ome
 class ModelConfig:
     name: str = MISSING
     # The model family (model/families/: llama, qwen3; checked by trainer.architecture, as conf imports no
-    # model code), which the model group names. With `path` the checkpoint's config.json decides, and a
-    # group of another family is an error.
+    # model code; "llama" is model.families.DEFAULT_FAMILY), which the model group names. With `path` the
+    # checkpoint's config.json decides, like the shape below.
     family: str = "llama"
     # Local Hugging Face checkpoint directory; None trains from random init (benchmarks, demos).
     path: Optional[str] = None
@@ -28,7 +28,7 @@ class ModelConfig:
     num_attention_heads: int = MISSING
     num_key_value_heads: int = MISSING
     head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: Optional[float] = None      # None: the family's (Llama 1e-5, Qwen3 1e-6)
     tie_word_embeddings: bool = False
     # The rope and context, in Hugging Face's keys; with `path` they override the checkpoint's (context
     # extension: docs/LONG_CONTEXT.md). None: the checkpoint's, or for random init 500000.0, 8192 and none.

@@ -10,6 +10,9 @@ from model.families.qwen3 import QWEN3
 from model.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {}
+# The family of a config that names none: our configs before families were named, config.json files before
+# transformers wrote model_type (conf/schema/model.py, which imports no model code, spells it out too).
+DEFAULT_FAMILY = LLAMA.name
 
 
 def register_family(family: ModelFamily) -> ModelFamily:

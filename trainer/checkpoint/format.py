@@ -2,7 +2,7 @@
 and the COMPLETE marker that tells a complete one from an interrupted save.
 
 Contents: the trainable weights (LoRA: peft's adapter format in adapter/, which names its base and task so
-that peft.AutoPeftModelForCausalLM loads it onto transformers' Llama, and load_adapter onto ours; full
+that peft.AutoPeftModelForCausalLM loads it onto transformers' model, and load_adapter onto ours; full
 fine-tuning: model.safetensors), optimizer.pt, trainer_state.pt (LR
 scheduler, RNG states, data-pipeline state), progress.json (step, tokens seen, skipped steps, W&B run id)
 and config.yaml (the resolved config of the run). A run over several processes saves the trainable weights
@@ -132,8 +132,8 @@ def save_checksummed(state, path: Path) -> str:
 
 
 def load_adapter(llama: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
-    """Our Llama with a saved adapter, wrapped as training wraps it (trainer.build.apply_lora). The adapter
-    says task_type CAUSAL_LM for transformers' models, whose peft wrapper our Llama does not fit (it has no
+    """Our CausalLM with a saved adapter, wrapped as training wraps it (trainer.build.apply_lora). The adapter
+    says task_type CAUSAL_LM for transformers' models, whose peft wrapper our CausalLM does not fit (it has no
     generate()), so the task is dropped here."""
     from peft import PeftConfig, PeftModel
     config = PeftConfig.from_pretrained(str(adapter_dir))
