@@ -3,6 +3,7 @@ damaged later, leaves the previous checkpoint usable."""
 from __future__ import annotations
 
 import json
+import shutil
 import logging
 import signal
 import subprocess
@@ -99,12 +100,12 @@ def test_a_checkpoint_saved_before_checksums_is_still_resumed_from_by_its_sizes(
 
 
 @pytest.mark.parametrize("how", ["no marker", "truncated", "garbage", "overwritten"])
-def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, how):
     train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))
     damage(tmp_path / "checkpoints" / "step-2", how)
-    with caplog.at_level(logging.WARNING):
-        assert CheckpointManager(tmp_path / "checkpoints").read_newest().progress.step == 1
-    assert "skipping checkpoint" in caplog.text and "step-2" in caplog.text
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert manager.read_newest().progress.step == 1
+    assert list(manager.skipped) == [tmp_path / "checkpoints" / "step-2"]
 
 
 KILLED_DURING_SAVE = """
@@ -166,3 +167,26 @@ def test_full_checkpoint_of_a_tied_model_must_hold_every_weight_but_the_head(tmp
         train(job_config(tmp_path, "max_steps=3", *settings))
     monkeypatch.setattr(CheckpointManager, "read_newest", real_read_newest)
     assert train(job_config(tmp_path, "max_steps=3", *settings))["step"] == 3
+
+
+def test_checkpoint_directories_edited_by_hand_are_named_and_only_a_true_one_is_resumed_from(tmp_path, caplog):
+    """step-3 renamed step-30 (its progress.json says 3) is set aside, not resumed from; a copy named
+    step-1-best is named as a directory the run does not use; an empty step-2 (left by an interrupted
+    cleanup) is removed with a line. Each in one line."""
+    train(job_config(tmp_path, "max_steps=3", "checkpoint.every_steps=1"))
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-3").rename(checkpoints / "step-30")
+    shutil.copytree(checkpoints / "step-1", checkpoints / "step-1-best")
+    shutil.rmtree(checkpoints / "step-2")
+    (checkpoints / "step-2").mkdir()
+    with caplog.at_level(logging.INFO):
+        assert train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))["step"] == 2
+    assert f"resuming from {checkpoints / 'step-1'} (step 1" in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-1-best", "step-2", "step-30.unreadable"]
+    lines = caplog.text.splitlines()
+    renamed = [line for line in lines if "step-30" in line]
+    assert len(renamed) == 1 and "set aside" in renamed[0] and "holds step 3" in renamed[0], renamed
+    best = [line for line in lines if "step-1-best" in line]
+    assert len(best) == 1 and "not a checkpoint directory" in best[0], best
+    empty = [line for line in lines if "empty" in line]
+    assert len(empty) == 1 and f"removed the empty {checkpoints / 'step-2'} " in empty[0], empty

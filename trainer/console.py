@@ -38,17 +38,49 @@ def shown_path(path) -> str:
 @contextlib.contextmanager
 def logging_to_run_dir(run_dir: Path):
     """While open, the log also goes to <run_dir>/train.log, formatted as on the terminal (Hydra's own file
-    log is off: conf/hydra/job_logging/console.yaml). The trainer opens it once the config is accepted and
-    closes it when the run ends, however it ends, so later logging in the process stays out of the file."""
+    log is off: conf/hydra/job_logging/console.yaml); yields the RunLog. The trainer opens it once the config is
+    accepted and closes it when the run ends, however it ends, so later logging in the process stays out of the
+    file."""
     root = logging.getLogger()
-    handler = logging.FileHandler(run_dir / RUN_LOG)
+    handler = RunLog(run_dir / RUN_LOG)
     handler.setFormatter(next((h.formatter for h in root.handlers if h.formatter), None))
     root.addHandler(handler)
     try:
-        yield
+        yield handler
     finally:
         root.removeHandler(handler)
         handler.close()
+
+
+class RunLog(logging.Handler):
+    """The log lines of a run for train.log, held in memory until keep() (the run may continue the run
+    directory: a resume's checks passed), then written there: a run refused as it starts leaves train.log as
+    it was."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self.held: list[logging.LogRecord] = []
+        self.file: logging.FileHandler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file:
+            self.file.emit(record)
+        else:
+            self.held.append(record)
+
+    def keep(self) -> None:
+        """Write the lines held so far to train.log, and every later one as it comes."""
+        self.file = logging.FileHandler(self.path)
+        self.file.setFormatter(self.formatter)
+        for record in self.held:
+            self.file.emit(record)
+        self.held.clear()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        super().close()
 
 
 @contextlib.contextmanager

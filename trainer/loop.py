@@ -37,15 +37,15 @@ from trainer.build import (Built, build_model, checked_plan, count_parameters, k
                            release_sequence_group)
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
-from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
+from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup, tidy_checkpoints
+from trainer.console import ProgressBar, RunLog, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.evaluate import Evaluator, build_evaluator, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.run_dir import create_run_dir, keep_overrides, keep_random_base, one_writer
+from trainer.run_dir import accept_run, create_run_dir, keep_random_base, one_writer
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
@@ -99,10 +99,9 @@ def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None =
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
         world.on_main(lambda: create_run_dir(run_dir))
-        with one_writer(run_dir, world), logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
-            if overrides is not None:
-                world.on_main(lambda: keep_overrides(run_dir, overrides))
-            return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+        with (one_writer(run_dir, world),
+              logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank) as run_log):
+            return run_job(cfg, training, device, plan, run_dir, auto_warmup, world, run_log, overrides)
     finally:
         close_world(world)
 
@@ -136,11 +135,12 @@ class Job:
 
 
 def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
-            world: World = World.single()) -> dict:
+            world: World = World.single(), run_log: RunLog | None = None, overrides: list[str] | None = None) -> dict:
     """The job of a validated `cfg` whose plan fits and whose run directory exists: resume or start, build,
     train, checkpoint; returns the last step's metrics. Rank 0 alone writes the run directory (but for the
-    checkpoints, which every rank writes a part of), the metrics and W&B."""
-    job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+    checkpoints, which every rank writes a part of), the metrics and W&B. `run_log`: rank 0's train.log, kept
+    once the run may continue the run directory; `overrides`: a sweep job's, kept then too."""
+    job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world, run_log, overrides)
     completed = False
     try:
         record = run_steps(job)
@@ -151,10 +151,11 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
 
 
 def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
-              world: World) -> Job:
-    """Choose the checkpoint to resume, build the model (and check it fits the checkpoint), write config.yaml,
-    build the data, optimizer and records, and restore the checkpoint's state last (so the RNG streams continue
-    exactly where it left them)."""
+              world: World, run_log: RunLog | None = None, overrides: list[str] | None = None) -> Job:
+    """Choose the checkpoint to resume, build the model (and check it fits the checkpoint), the data and
+    optimizer, and restore the checkpoint's state; only then, the run accepted, write the run directory
+    (train.log, config.yaml, the records): a refused resume leaves it as it was. Nothing after the restore
+    draws random numbers, so the RNG streams continue exactly where the checkpoint left them."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = agreed_checkpoint(cfg, checkpoints, world)
     world.barrier()     # every rank has read it before rank 0 writes anything
@@ -165,9 +166,9 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
                         sequence_group=world.sequence_group if world.sequence > 1 else None)
     model = built.model
     if loaded:
-        check_same_shapes(loaded, model, cfg)       # a refused resume leaves the run directory as it was
-    world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
-    world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
+        check_same_shapes(loaded, model, cfg)
+    # Whole, before any sharding; written only when missing (by a new run, whose checks are all passed).
+    world.on_main(lambda: keep_random_base(cfg, model, run_dir))
     world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
@@ -178,10 +179,12 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
+    if loaded:      # its last checks: the data state is this data's, the weights fit
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
+    world.on_main(lambda: accept_run(run_dir, run_log, config_yaml, overrides))
+    world.on_main(lambda: tidy_checkpoints(checkpoints, loaded))
     wandb_run, metrics_log = open_records(cfg, run_dir, progress, loaded is not None, built, device, world)
     flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
-    if loaded:
-        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.
     job = Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
