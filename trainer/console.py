@@ -29,9 +29,13 @@ def script_command(script: str, *arguments: str) -> str:
 
 
 def shown_path(path) -> str:
-    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it."""
+    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it,
+    else absolute."""
     absolute = os.path.abspath(path)
-    relative = os.path.relpath(absolute)
+    try:
+        relative = os.path.relpath(absolute)
+    except FileNotFoundError:       # the working directory is gone (a scheduler's temporary one): nothing is under it
+        return absolute
     return absolute if relative.startswith("..") else relative
 
 
