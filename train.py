@@ -18,6 +18,7 @@ from trainer.architecture import given_model_keys  # noqa: E402
 from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
+from trainer.signals import exit_status, stopped_at_once_on_signals  # noqa: E402
 
 register_configs()
 log = logging.getLogger("train")
@@ -29,15 +30,19 @@ FAILED_JOBS: list[str] = []
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
+    """A job stopped by a signal exits 128 + its number (130: SIGINT, 143: SIGTERM), as a shell reports a
+    process ended by it: a scheduler then knows it did not finish (trainer.signals)."""
     job = sweep_job()
     if job is not None:
         run_sweep_job(cfg, *job)
         return
     try:
-        train(cfg, command_line_keys())
+        last = train(cfg, command_line_keys())
     except USER_ERRORS as error:
         log.error("%s", error)
         sys.exit(2)
+    if "stopped_by" in last:
+        sys.exit(exit_status(last["stopped_by"]))
 
 
 def sweep_job() -> tuple[int, list[str]] | None:
@@ -66,21 +71,21 @@ def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
     name = f"#{number} ({' '.join(overrides)})"
     try:
         last = train(cfg, command_line_keys(), overrides)
-    except (*USER_ERRORS, OSError) as error:
-        log.error("sweep job %s failed: %s", name, error)
+    except Exception as error:
+        if isinstance(error, (*USER_ERRORS, OSError)):
+            log.error("sweep job %s failed: %s", name, error)
+        else:       # a bug or a crash of one job: its traceback, and the other jobs still run
+            log.exception("sweep job %s failed", name)
         FAILED_JOBS.append(name)
         return
-    except Exception:       # a bug or a crash of one job: its traceback, and the other jobs still run
-        log.exception("sweep job %s failed", name)
-        FAILED_JOBS.append(name)
-        return
-    if last["step"] < cfg.max_steps:
+    if "stopped_by" in last:
         log.error("sweep job %s stopped by a signal: the sweep stops (run it again to continue each job)", name)
-        sys.exit(130)
+        sys.exit(exit_status(last["stopped_by"]))
 
 
 if __name__ == "__main__":
-    main()
+    with stopped_at_once_on_signals():
+        main()
     if FAILED_JOBS:
         log.error("sweep: %d job(s) failed: %s", len(FAILED_JOBS), "; ".join(FAILED_JOBS))
         sys.exit(1)

@@ -80,9 +80,10 @@ def gpu_name(device: torch.device) -> str:
 
 def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None = None) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
-    step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed).
-    `given_keys`: the model settings the command line gave (trainer.architecture.given_model_keys); `overrides`: a
-    sweep job's, kept in its run directory."""
+    step's metrics, with `stopped_by` (the signal's number) when a signal stopped it (train.py exits with
+    it). Under torchrun every process runs this, as one rank of the job (trainer.distributed). `given_keys`:
+    the model settings the command line gave (trainer.architecture.given_model_keys); `overrides`: a sweep
+    job's, kept in its run directory."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     record_architecture(cfg, given_keys=given_keys)
@@ -142,11 +143,12 @@ def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir:
     once the run may continue the run directory; `overrides`: a sweep job's, kept then too."""
     job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world, run_log, overrides)
     completed = False
-    try:
-        record = run_steps(job)
-        completed = True
-    finally:
-        finish_job(job, completed)
+    with StopSignals() as stop:     # from the first step to the end summary: a signal finishes the step
+        try:
+            record = run_steps(job, stop)
+            completed = True
+        finally:
+            finish_job(job, completed)
     return record
 
 
@@ -258,25 +260,26 @@ def summarize_start(cfg, training: str, device: torch.device, built: Built, run_
     return flops
 
 
-def run_steps(job: Job) -> dict:
+def run_steps(job: Job, stop: StopSignals) -> dict:
     """Train from the job's step to max_steps, or until a stop signal (then checkpoint and return); returns
-    the last step's record (rank 0; the others return the starting step)."""
+    the last step's record (rank 0; the others return the starting step), with `stopped_by`, the signal's
+    number, when one stopped it."""
     record = {"step": job.progress.step}
-    with StopSignals() as stop:
-        for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
-            applied, metrics = run_step(job, step)
-            # Decided together, read once: a signal to any rank stops all after this same step, its checkpoint
-            # before any hook's work; one arriving later is served after the next step.
-            stopping, due = job.world.any([stop.requested, job.checkpoints.due(step)])
-            if not stopping:
-                for hook in job.after_step:
-                    hook(job, step, metrics)
-            if job.metrics_log:
-                record = record_step(job, step, applied, metrics)
-            if job.guard.exhausted:
-                job.guard.stop(step, last_good_checkpoint(job))
-            if checkpoint_after(job, step, applied, stopping, due):
-                break
+    for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
+        applied, metrics = run_step(job, step)
+        # Decided together, read once: a signal to any rank stops all after this same step, its checkpoint
+        # before any hook's work; one arriving later is served after the next step.
+        stopping, due = job.world.any([stop.requested, job.checkpoints.due(step)])
+        if not stopping:
+            for hook in job.after_step:
+                hook(job, step, metrics)
+        if job.metrics_log:
+            record = record_step(job, step, applied, metrics)
+        if job.guard.exhausted:
+            job.guard.stop(step, last_good_checkpoint(job))
+        if checkpoint_after(job, step, applied, stopping, due):
+            # Every rank exits with the same status, that of the signal (of the highest number) received.
+            return record | {"stopped_by": int(job.world.max({"signal": stop.received or 0})["signal"])}
     return record
 
 
