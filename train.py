@@ -3,6 +3,7 @@ in its own run directory <output_dir>/<job number>."""
 import logging
 import os
 import sys
+from pathlib import Path
 
 from trainer.allocator import prefer_expandable_segments
 
@@ -15,6 +16,7 @@ from conf.validate import ConfigError  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from trainer.architecture import given_model_keys  # noqa: E402
+from trainer.checkpoint.disk_space import full_disk_line  # noqa: E402
 from trainer.checkpoint.format import CheckpointError  # noqa: E402
 from trainer.guard import BadStepsError  # noqa: E402
 from trainer.loop import train  # noqa: E402
@@ -41,6 +43,11 @@ def main(cfg) -> None:
     except USER_ERRORS as error:
         log.error("%s", error)
         sys.exit(2)
+    except Exception as error:
+        if (line := full_disk_line(error, Path(cfg.output_dir))) is None:
+            raise
+        log.error("%s", line)
+        sys.exit(1)
     if "stopped_by" in last:
         sys.exit(exit_status(last["stopped_by"]))
 

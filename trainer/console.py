@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from trainer.checkpoint.disk_space import disk_is_full
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -56,35 +57,38 @@ def logging_to_run_dir(run_dir: Path):
         handler.close()
 
 
-class RunLog(logging.Handler):
+class RunLog(logging.FileHandler):
     """The log lines of a run for train.log, held in memory until keep() (the run may continue the run
     directory: a resume's checks passed), then written there: a run refused as it starts leaves train.log as
     it was."""
 
     def __init__(self, path: Path):
-        super().__init__()
-        self.path = path
-        self.held: list[logging.LogRecord] = []
-        self.file: logging.FileHandler | None = None
+        super().__init__(path, delay=True)      # opened by the first line written
+        self.held: list[logging.LogRecord] | None = []     # None once kept
+        self.failed = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.file:
-            self.file.emit(record)
-        else:
+        if self.held is not None:
             self.held.append(record)
+        elif not self.failed:
+            super().emit(record)
 
     def keep(self) -> None:
         """Write the lines held so far to train.log, and every later one as it comes."""
-        self.file = logging.FileHandler(self.path)
-        self.file.setFormatter(self.formatter)
-        for record in self.held:
-            self.file.emit(record)
-        self.held.clear()
+        held, self.held = self.held, None
+        for record in held:
+            self.emit(record)
 
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        super().close()
+    def handleError(self, record: logging.LogRecord) -> None:
+        """train.log cannot be written (a full disk): the log goes on on the terminal only, instead of a
+        traceback there for every line. A full disk stops the job at its next write anyway, in one line
+        (train.py); another error is said here once."""
+        error = sys.exc_info()[1]
+        self.failed = True
+        with contextlib.suppress(OSError):
+            self.close()
+        if not disk_is_full(error):
+            sys.stderr.write(f"{self.baseFilename} can no longer be written ({error}): the log goes on here only\n")
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from trainer.allocator import cap_gpu_memory, gpu_cap_note
 from trainer.architecture import context_summary, record_architecture, trained_context
 from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
                            release_sequence_group)
+from trainer.checkpoint.disk_space import disk_is_full
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup, tidy_checkpoints
@@ -345,9 +346,26 @@ def finish_job(job: Job, completed: bool) -> None:
     release_sequence_group(job.model)
     job.bar.close()
     if job.wandb_run:
-        job.wandb_run.finish(0 if completed else 1)
+        finish_wandb(job.wandb_run, completed)
     if completed and job.world.is_main:
         end_summary(job.run_dir, job.first_step, job.cfg.max_steps, job.last_checkpoint)
+
+
+def finish_wandb(wandb_run, completed: bool) -> None:
+    """Close the W&B run. After the job's error its own failures (its log files on a full disk, most likely the
+    job's error too) are not shown over that error: no traceback for each line it cannot log, one line if it
+    cannot close."""
+    if completed:
+        wandb_run.finish(0)
+        return
+    raising, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        wandb_run.finish(1)
+    except Exception as error:
+        if not disk_is_full(error):     # a full disk: the job's own line says it
+            log.warning("the W&B run could not be closed after the job's error: %s", error)
+    finally:
+        logging.raiseExceptions = raising
 
 
 def agreed_capacity(cfg, device: torch.device, world: World) -> Capacity:
