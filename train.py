@@ -12,7 +12,7 @@ prefer_expandable_segments()       # before torch (imported below) initializes C
 import hydra  # noqa: E402
 
 from conf.schema import register_configs  # noqa: E402
-from conf.validate import ConfigError  # noqa: E402
+from conf.validate import ConfigError, check_override_keys  # noqa: E402
 from data.tokenize import DataError  # noqa: E402
 from model.hf_checkpoint import HFCheckpointError  # noqa: E402
 from trainer.architecture import given_model_keys  # noqa: E402
@@ -90,7 +90,19 @@ def run_sweep_job(cfg, number: int, overrides: list[str]) -> None:
         sys.exit(exit_status(last["stopped_by"]))
 
 
+def check_command_line() -> None:
+    """A misspelt key in an override (`optim.learnig_rate=...`) stops with the nearest valid key, in one line,
+    before Hydra (which would advise appending it with `+`)."""
+    groups = {path.name for path in (Path(__file__).parent / "conf").iterdir() if path.is_dir()}
+    try:
+        check_override_keys(sys.argv[1:], groups)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_command_line()
     with stopped_at_once_on_signals():
         main()
     if FAILED_JOBS:

@@ -1,4 +1,7 @@
 """Hydra composition and the cross-field checks that run before any model is built."""
+import subprocess
+import sys
+
 import pytest
 from hydra import compose, initialize_config_dir
 from pathlib import Path
@@ -126,6 +129,16 @@ def test_kernels_backend_check(monkeypatch):
 def test_keys_outside_the_schema_are_errors_naming_the_nearest(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(make_config(override))
+
+
+def test_a_misspelt_key_without_plus_names_the_nearest_valid_key_not_hydras_advice(tmp_path):
+    """Hydra would stop with "To append to your config use +optim.learnig_rate=1e-4"."""
+    done = subprocess.run([sys.executable, "train.py", "optim.learnig_rate=1e-4", f"output_dir={tmp_path / 'run'}"],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("unknown setting optim.learnig_rate: the nearest is optim.lr (optim has: name, lr, "
+                                   "betas, eps, weight_decay, warmup_steps, min_lr_ratio, grad_clip, grad_accum_steps)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_free_form_dict_settings_take_any_key():
