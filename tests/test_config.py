@@ -166,7 +166,8 @@ def test_explicit_warmup_conflicting_with_max_steps_stays_an_error():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    ([], ["train.mode=full (model=tiny's default: it trains from random init; train=lora for adapters)",
+    ([], ["train.mode=full (model=tiny's default: it trains from random init, every parameter; train=lora for "
+          "adapters)",
           "optim.lr=0.001 (model=tiny's from-scratch rate)"]),
     (["train=lora"], ["train.mode=lora (chosen over model=tiny's default train=full)",
                       "optim.lr=0.0002 (the LoRA rate)"]),
@@ -185,6 +186,8 @@ def test_the_training_line_says_which_mode_and_rate_were_taken_and_why(overrides
 def test_a_checkpoint_with_the_tiny_model_is_told_it_gets_the_from_scratch_rate(tmp_path):
     training = validate(make_config(f"model.path={tmp_path}"))
     assert "optim.lr=0.001 (model=tiny's from-scratch rate; set optim.lr to fine-tune model.path)" in training
+    assert (f"train.mode=full (model=tiny's default: it fine-tunes model.path={tmp_path}, every parameter; "
+            f"train=lora for adapters)") in training and "random init" not in training
 
 
 def test_a_short_run_trains_with_the_capped_warmup_and_saves_it(tmp_path, caplog):
