@@ -47,13 +47,36 @@ def check_known_keys(cfg) -> None:
     """ConfigError for the first key that is no field of the schema (a misspelling Hydra let through as
     `+key=value`), naming the nearest valid key where one is near. Dict-typed fields (model.rope_scaling)
     take any key."""
-    fields = schema_paths(JobConfig)
     for path in unknown_paths(cfg, JobConfig):
-        parent, _, _ = path.rpartition(".")
-        siblings = [name.rpartition(".")[2] for name in fields if name.rpartition(".")[0] == parent]
-        near = nearest(path, fields)
-        raise ConfigError(f"unknown setting {path}" + (f": the nearest is {near}" if near else "")
-                          + f" ({parent or 'the top level'} has: {', '.join(siblings)})")
+        raise unknown_setting(path)
+
+
+def unknown_setting(path: str) -> ConfigError:
+    """The one line for a setting `path` that is no field of the schema: the nearest valid key, and the keys of
+    its group."""
+    fields = schema_paths(JobConfig)
+    parent, _, _ = path.rpartition(".")
+    siblings = [name.rpartition(".")[2] for name in fields if name.rpartition(".")[0] == parent]
+    near = nearest(path, fields)
+    return ConfigError(f"unknown setting {path}" + (f": the nearest is {near}" if near else "")
+                       + f" ({parent or 'the top level'} has: {', '.join(siblings) or 'no settings'})")
+
+
+def check_override_keys(arguments: list[str], groups: set[str]) -> None:
+    """ConfigError for the first command-line override `key=value` (no +, ++ or ~) whose key is neither a
+    setting, a config group of `groups`, nor Hydra's: Hydra would stop with its advice to append it as
+    `+key=...`, where the user meant an existing key. Keys under a free-form setting (model.rope_scaling.*) are
+    left to Hydra."""
+    fields = set(schema_paths(JobConfig))
+    free_form = fields - {field.rpartition(".")[0] for field in fields}     # settings without fields of their own
+    for argument in arguments:
+        key, equals, _ = argument.partition("=")
+        if not equals or argument.startswith(("-", "+", "~")) or not key.replace(".", "").replace("_", "").isalnum():
+            continue
+        if (key in fields or key in groups or key.split(".")[0] == "hydra"
+                or any(key.startswith(f"{field}.") for field in free_form)):
+            continue
+        raise unknown_setting(key)
 
 
 def check_finite_numbers(values, schema: type, prefix: str = "") -> None:

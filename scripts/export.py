@@ -29,8 +29,8 @@ from model.hf_checkpoint import WEIGHTS_FILE, HFCheckpointError, full_weights, t
 from trainer.architecture import model_architecture, rope_overrides, saved_config
 from trainer.build import BASE_MODEL_DIR
 from trainer.checkpoint.disk_space import save_hf_model_if_room
-from trainer.checkpoint.format import (ADAPTER_DIR, CONFIG_FILE, CheckpointError, content_problem,
-                                       load_adapter)
+from trainer.checkpoint.format import (ADAPTER_DIR, CHECKPOINTS_DIR, CONFIG_FILE, CheckpointError,
+                                       complete_checkpoints, content_problem, load_adapter)
 from trainer.checkpoint.sharded_state import STATE_DIR, sharded_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +105,11 @@ def export(checkpoint: Path, out_dir: Path, dtype: str = "auto", tokenizer: Path
     """Write `checkpoint` as a Hugging Face model into the new directory `out_dir`; `tokenizer`: a directory
     whose saved tokenizer replaces model.path's (the only one a random-init run can have)."""
     checkpoint = Path(checkpoint).expanduser()
+    if (checkpoint / CHECKPOINTS_DIR).is_dir():     # a run directory: which of its checkpoints to give
+        complete = complete_checkpoints(checkpoint / CHECKPOINTS_DIR)
+        raise ExportError(f"{checkpoint} is a run directory, not a checkpoint: give one of its checkpoints, "
+                          + (f"the newest being {complete[-1]}" if complete else "once it holds a complete one "
+                             "(it has none yet)"))
     problem = content_problem(checkpoint) if checkpoint.is_dir() else "it is not a directory"
     if problem:
         raise ExportError(f"cannot export {checkpoint}: {problem}. Give a complete "

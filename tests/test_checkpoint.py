@@ -2,7 +2,9 @@
 damaged later, leaves the previous checkpoint usable."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import logging
 import signal
 import subprocess
@@ -14,12 +16,12 @@ import torch
 from omegaconf import OmegaConf
 
 import trainer.checkpoint.disk_space
-from tests.jobs_support import (REPO, checkpoint_weights, job_config, records, single_torch_thread,  # noqa: F401
-                                train_process)
+from tests.jobs_support import (REPO, TIMEOUT_S, checkpoint_weights, job_config, records,  # noqa: F401
+                                single_torch_thread, start_training, train_process, wait_for)
 from model import CausalLM
 from storage.atomic import atomic_directory
 from trainer.architecture import architecture
-from trainer.checkpoint.format import CheckpointError, load_adapter, marker_problem
+from trainer.checkpoint.format import CheckpointError, content_problem, load_adapter, marker_problem
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.loop import train
 
@@ -99,12 +101,12 @@ def test_a_checkpoint_saved_before_checksums_is_still_resumed_from_by_its_sizes(
 
 
 @pytest.mark.parametrize("how", ["no marker", "truncated", "garbage", "overwritten"])
-def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how):
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, how):
     train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))
     damage(tmp_path / "checkpoints" / "step-2", how)
-    with caplog.at_level(logging.WARNING):
-        assert CheckpointManager(tmp_path / "checkpoints").read_newest().progress.step == 1
-    assert "skipping checkpoint" in caplog.text and "step-2" in caplog.text
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    assert manager.read_newest().progress.step == 1
+    assert list(manager.skipped) == [tmp_path / "checkpoints" / "step-2"]
 
 
 KILLED_DURING_SAVE = """
@@ -165,3 +167,70 @@ def test_full_checkpoint_of_a_tied_model_must_hold_every_weight_but_the_head(tmp
         train(job_config(tmp_path, "max_steps=3", *settings))
     monkeypatch.setattr(CheckpointManager, "read_newest", real_read_newest)
     assert train(job_config(tmp_path, "max_steps=3", *settings))["step"] == 3
+
+
+def test_checkpoint_directories_edited_by_hand_are_named_and_only_a_true_one_is_resumed_from(tmp_path, caplog):
+    """step-3 renamed step-30 (its progress.json says 3) is set aside, not resumed from; a copy named
+    step-1-best is named as a directory the run does not use; an empty step-2 (left by an interrupted
+    cleanup) is removed with a line. Each in one line."""
+    train(job_config(tmp_path, "max_steps=3", "checkpoint.every_steps=1"))
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "step-3").rename(checkpoints / "step-30")
+    shutil.copytree(checkpoints / "step-1", checkpoints / "step-1-best")
+    shutil.rmtree(checkpoints / "step-2")
+    (checkpoints / "step-2").mkdir()
+    with caplog.at_level(logging.INFO):
+        assert train(job_config(tmp_path, "max_steps=2", "checkpoint.every_steps=1"))["step"] == 2
+    assert f"resuming from {checkpoints / 'step-1'} (step 1" in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1", "step-1-best", "step-2", "step-30.unreadable"]
+    lines = caplog.text.splitlines()
+    renamed = [line for line in lines if "step-30" in line]
+    assert len(renamed) == 1 and "set aside" in renamed[0] and "holds step 3" in renamed[0], renamed
+    best = [line for line in lines if "step-1-best" in line]
+    assert len(best) == 1 and "not a checkpoint directory" in best[0], best
+    empty = [line for line in lines if "empty" in line]
+    assert len(empty) == 1 and f"removed the empty {checkpoints / 'step-2'} " in empty[0], empty
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 80 MiB filesystem (tmpfs), mounted for the test: needs root (or CAP_SYS_ADMIN)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb") as filler:
+        with contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * (1 << 16))
+                filler.flush()
+
+
+def test_a_disk_filled_mid_run_stops_the_job_in_one_line_with_its_checkpoints_intact(small_disk):
+    """Another process fills the disk after the first checkpoint: the next write (metrics, train.log, W&B's
+    offline files) fails with ENOSPC."""
+    run_dir = small_disk / "run"
+    job = start_training(run_dir, "max_steps=100000", "checkpoint.every_steps=5", "logger.wandb.mode=offline",
+                         log_path=small_disk.parent / "run.log")
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step-5" / "COMPLETE").is_file(), "the first checkpoint", job)
+        fill(small_disk)
+        assert job.wait(TIMEOUT_S) == 1
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    output = (small_disk.parent / "run.log").read_text()
+    assert "Traceback" not in output and "Logging error" not in output, output
+    full = [line for line in output.splitlines() if "is full" in line]
+    assert len(full) == 1 and f"the disk of output_dir={run_dir} is full" in full[0], output
+    assert f"newest {run_dir / 'checkpoints' / 'step-5'}" in full[0] and "run it again" in full[0]
+    assert content_problem(run_dir / "checkpoints" / "step-5") is None

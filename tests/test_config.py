@@ -1,4 +1,7 @@
 """Hydra composition and the cross-field checks that run before any model is built."""
+import subprocess
+import sys
+
 import pytest
 from hydra import compose, initialize_config_dir
 from pathlib import Path
@@ -128,6 +131,16 @@ def test_keys_outside_the_schema_are_errors_naming_the_nearest(override, message
         validate(make_config(override))
 
 
+def test_a_misspelt_key_without_plus_names_the_nearest_valid_key_not_hydras_advice(tmp_path):
+    """Hydra would stop with "To append to your config use +optim.learnig_rate=1e-4"."""
+    done = subprocess.run([sys.executable, "train.py", "optim.learnig_rate=1e-4", f"output_dir={tmp_path / 'run'}"],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("unknown setting optim.learnig_rate: the nearest is optim.lr (optim has: name, lr, "
+                                   "betas, eps, weight_decay, warmup_steps, min_lr_ratio, grad_clip, grad_accum_steps)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_free_form_dict_settings_take_any_key():
     validate(make_config("model=llama3_1_8b", "+model.rope_scaling.new_knob=1", "train=lora"))
 
@@ -153,7 +166,8 @@ def test_explicit_warmup_conflicting_with_max_steps_stays_an_error():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    ([], ["train.mode=full (model=tiny's default: it trains from random init; train=lora for adapters)",
+    ([], ["train.mode=full (model=tiny's default: it trains from random init, every parameter; train=lora for "
+          "adapters)",
           "optim.lr=0.001 (model=tiny's from-scratch rate)"]),
     (["train=lora"], ["train.mode=lora (chosen over model=tiny's default train=full)",
                       "optim.lr=0.0002 (the LoRA rate)"]),
@@ -172,6 +186,8 @@ def test_the_training_line_says_which_mode_and_rate_were_taken_and_why(overrides
 def test_a_checkpoint_with_the_tiny_model_is_told_it_gets_the_from_scratch_rate(tmp_path):
     training = validate(make_config(f"model.path={tmp_path}"))
     assert "optim.lr=0.001 (model=tiny's from-scratch rate; set optim.lr to fine-tune model.path)" in training
+    assert (f"train.mode=full (model=tiny's default: it fine-tunes model.path={tmp_path}, every parameter; "
+            f"train=lora for adapters)") in training and "random init" not in training
 
 
 def test_a_short_run_trains_with_the_capped_warmup_and_saves_it(tmp_path, caplog):

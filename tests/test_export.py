@@ -147,6 +147,9 @@ def test_export_refuses_what_it_cannot_do_without_touching_anything(tmp_path):
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     with pytest.raises(ExportError, match="COMPLETE marker"):
         export(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    newest = tmp_path / "run" / "checkpoints" / "step-2"
+    with pytest.raises(ExportError, match=f"run directory, not a checkpoint: .* the newest being {newest}$"):
+        export(tmp_path / "run", tmp_path / "hf")
 
 
 def test_a_broken_base_is_one_line_not_a_traceback(pretrained_lora, hf_base, tmp_path):

@@ -11,6 +11,7 @@ import socket
 import pytest
 from omegaconf import OmegaConf
 
+from tests.data_support import TEXTS, checkpoint, write_jsonl  # noqa: F401
 from tests.jobs_support import (TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
                                 start_training, train_process, wait_for)
 from tests.test_checkpoint import damage
@@ -80,7 +81,7 @@ def test_two_runs_started_together_on_a_new_output_dir_leave_one_writer(tmp_path
         winner = runs[3 - loser]
         wait_for(lambda: records(run_dir), "the other run's first step", winner)
         winner.send_signal(signal.SIGTERM)
-        assert winner.wait(TIMEOUT_S) == 0
+        assert winner.wait(TIMEOUT_S) == 143
     finally:
         for run in runs.values():
             if run.poll() is None:
@@ -109,3 +110,21 @@ def test_a_killed_runs_lock_does_not_block_the_next_run(tmp_path):
     resumed = train_process(run_dir, "max_steps=4")
     assert resumed.returncode == 0, resumed.stderr
     assert records(run_dir)[-1]["step"] == 4
+
+
+def test_a_refused_resume_leaves_every_file_of_the_run_dir_as_it_was(tmp_path, checkpoint):
+    """Run as a user would: train.py, then again on the same output_dir with other data (refused when the data
+    state is restored, after the model is built), then with another seed (refused on reading the checkpoint)."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    first = write_jsonl(tmp_path / "first.jsonl", [{"text": text} for text in TEXTS])
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": text} for text in reversed(TEXTS)])
+    files = ("data=files", f"data.cache_dir={cache}", f"model.path={checkpoint}", "seq_len=16")
+    done = train_process(run_dir, *files, f"data.path={first}", "max_steps=2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    before = snapshot(run_dir)
+    for change, refusal in ([f"data.path={other}"], "different dataset"), ([f"data.path={first}", "seed=7"],
+                                                                          "seed: checkpoint 0, now 7"):
+        refused = train_process(run_dir, *files, "max_steps=3", *change)
+        output = refused.stdout + refused.stderr
+        assert refused.returncode == 2 and refusal in output and "Traceback" not in output, output
+        assert snapshot(run_dir) == before, change

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from scripts.report import figures
-from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import (FAST, REPO, TIMEOUT_S, job_config, records, single_torch_thread,  # noqa: F401
+                                wait_for)
 from trainer.console import shown_path
 from trainer.loop import train
 
@@ -106,3 +108,29 @@ def test_step_lines_without_a_terminal_carry_elapsed_time_and_eta(monkeypatch, c
     bar.write(bar.step_line(record))
     assert caplog.records[-1].getMessage().endswith(" elapsed 01:30 eta 13:30")     # 27 steps at 30 s
     bar.close()
+
+
+def test_a_job_whose_working_directory_is_removed_while_it_runs_finishes_with_exit_0(tmp_path):
+    """A scheduler's temporary working directory, removed under a running job: the end summary then shows
+    absolute paths."""
+    workdir, run_dir = tmp_path / "workdir", tmp_path / "run"
+    workdir.mkdir()
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen([sys.executable, str(REPO / "train.py"), *FAST, f"output_dir={run_dir}",
+                                "max_steps=40"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: records(run_dir), "the first step", job)
+        job.send_signal(signal.SIGSTOP)     # held mid-run while its working directory goes
+        assert records(run_dir)[-1]["step"] < 40
+        workdir.rmdir()
+        job.send_signal(signal.SIGCONT)
+        assert job.wait(TIMEOUT_S) == 0, log_path.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    output = log_path.read_text()
+    assert "finished at step 40/40" in output and "Traceback" not in output
+    assert f"export:  {sys.executable} {REPO / 'scripts' / 'export.py'} {run_dir / 'checkpoints' / 'step-40'}" in output

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from trainer.checkpoint.disk_space import disk_is_full
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -29,26 +30,65 @@ def script_command(script: str, *arguments: str) -> str:
 
 
 def shown_path(path) -> str:
-    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it."""
+    """`path` (not resolved: a virtualenv's python is a link) relative to the working directory when under it,
+    else absolute."""
     absolute = os.path.abspath(path)
-    relative = os.path.relpath(absolute)
+    try:
+        relative = os.path.relpath(absolute)
+    except FileNotFoundError:       # the working directory is gone (a scheduler's temporary one): nothing is under it
+        return absolute
     return absolute if relative.startswith("..") else relative
 
 
 @contextlib.contextmanager
 def logging_to_run_dir(run_dir: Path):
     """While open, the log also goes to <run_dir>/train.log, formatted as on the terminal (Hydra's own file
-    log is off: conf/hydra/job_logging/console.yaml). The trainer opens it once the config is accepted and
-    closes it when the run ends, however it ends, so later logging in the process stays out of the file."""
+    log is off: conf/hydra/job_logging/console.yaml); yields the RunLog. The trainer opens it once the config is
+    accepted and closes it when the run ends, however it ends, so later logging in the process stays out of the
+    file."""
     root = logging.getLogger()
-    handler = logging.FileHandler(run_dir / RUN_LOG)
+    handler = RunLog(run_dir / RUN_LOG)
     handler.setFormatter(next((h.formatter for h in root.handlers if h.formatter), None))
     root.addHandler(handler)
     try:
-        yield
+        yield handler
     finally:
         root.removeHandler(handler)
         handler.close()
+
+
+class RunLog(logging.FileHandler):
+    """The log lines of a run for train.log, held in memory until keep() (the run may continue the run
+    directory: a resume's checks passed), then written there: a run refused as it starts leaves train.log as
+    it was."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)      # opened by the first line written
+        self.held: list[logging.LogRecord] | None = []     # None once kept
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.held is not None:
+            self.held.append(record)
+        elif not self.failed:
+            super().emit(record)
+
+    def keep(self) -> None:
+        """Write the lines held so far to train.log, and every later one as it comes."""
+        held, self.held = self.held, None
+        for record in held:
+            self.emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """train.log cannot be written (a full disk): the log goes on on the terminal only, instead of a
+        traceback there for every line. A full disk stops the job at its next write anyway, in one line
+        (train.py); another error is said here once."""
+        error = sys.exc_info()[1]
+        self.failed = True
+        with contextlib.suppress(OSError):
+            self.close()
+        if not disk_is_full(error):
+            sys.stderr.write(f"{self.baseFilename} can no longer be written ({error}): the log goes on here only\n")
 
 
 @contextlib.contextmanager

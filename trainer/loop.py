@@ -35,17 +35,18 @@ from trainer.allocator import cap_gpu_memory, gpu_cap_note
 from trainer.architecture import context_summary, model_architecture, record_architecture, trained_context
 from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
                            release_sequence_group)
+from trainer.checkpoint.disk_space import disk_is_full
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup
-from trainer.console import ProgressBar, end_summary, logging_to_run_dir, quiet_rank, startup_summary
+from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup, tidy_checkpoints
+from trainer.console import ProgressBar, RunLog, end_summary, logging_to_run_dir, quiet_rank, startup_summary
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.evaluate import Evaluator, build_evaluator, check_passkey, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
 from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
                              wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.run_dir import create_run_dir, keep_overrides, keep_random_base, one_writer
+from trainer.run_dir import accept_run, create_run_dir, keep_random_base, one_writer
 from trainer.sharding import shard_model, sharding
 from trainer.signals import StopSignals
 from trainer.step import train_step
@@ -80,9 +81,10 @@ def gpu_name(device: torch.device) -> str:
 
 def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None = None) -> dict:
     """Train to cfg.max_steps, or until SIGTERM/SIGINT (then checkpoint and return); returns the last
-    step's metrics. Under torchrun every process runs this, as one rank of the job (trainer.distributed).
-    `given_keys`: the model settings the command line gave (trainer.architecture.given_model_keys); `overrides`: a
-    sweep job's, kept in its run directory."""
+    step's metrics, with `stopped_by` (the signal's number) when a signal stopped it (train.py exits with
+    it). Under torchrun every process runs this, as one rank of the job (trainer.distributed). `given_keys`:
+    the model settings the command line gave (trainer.architecture.given_model_keys); `overrides`: a sweep
+    job's, kept in its run directory."""
     auto_warmup = cfg.optim.warmup_steps is None
     training = validate(cfg)
     record_architecture(cfg, given_keys=given_keys)
@@ -100,10 +102,9 @@ def train(cfg, given_keys: set[str] | None = None, overrides: list[str] | None =
         cfg.output_dir = world.main_value(str(cfg.output_dir))
         run_dir = Path(cfg.output_dir)
         world.on_main(lambda: create_run_dir(run_dir))
-        with one_writer(run_dir, world), logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank):
-            if overrides is not None:
-                world.on_main(lambda: keep_overrides(run_dir, overrides))
-            return run_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+        with (one_writer(run_dir, world),
+              logging_to_run_dir(run_dir) if world.is_main else quiet_rank(world.rank) as run_log):
+            return run_job(cfg, training, device, plan, run_dir, auto_warmup, world, run_log, overrides)
     finally:
         close_world(world)
 
@@ -139,25 +140,28 @@ class Job:
 
 
 def run_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
-            world: World = World.single()) -> dict:
+            world: World = World.single(), run_log: RunLog | None = None, overrides: list[str] | None = None) -> dict:
     """The job of a validated `cfg` whose plan fits and whose run directory exists: resume or start, build,
     train, checkpoint; returns the last step's metrics. Rank 0 alone writes the run directory (but for the
-    checkpoints, which every rank writes a part of), the metrics and W&B."""
-    job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world)
+    checkpoints, which every rank writes a part of), the metrics and W&B. `run_log`: rank 0's train.log, kept
+    once the run may continue the run directory; `overrides`: a sweep job's, kept then too."""
+    job = start_job(cfg, training, device, plan, run_dir, auto_warmup, world, run_log, overrides)
     completed = False
-    try:
-        record = run_steps(job)
-        completed = True
-    finally:
-        finish_job(job, completed)
+    with StopSignals() as stop:     # from the first step to the end summary: a signal finishes the step
+        try:
+            record = run_steps(job, stop)
+            completed = True
+        finally:
+            finish_job(job, completed)
     return record
 
 
 def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_dir: Path, auto_warmup: bool,
-              world: World) -> Job:
+              world: World, run_log: RunLog | None = None, overrides: list[str] | None = None) -> Job:
     """Choose the checkpoint to resume, build the data, build the model (and check it fits the checkpoint),
-    write config.yaml, build the optimizer and records, and restore the checkpoint's state last (so the RNG
-    streams continue exactly where it left them)."""
+    the optimizer, and restore the checkpoint's state; only then, the run accepted, write the run directory
+    (train.log, config.yaml, the records): a refused resume leaves it as it was. Nothing after the restore
+    draws random numbers, so the RNG streams continue exactly where the checkpoint left them."""
     checkpoints = CheckpointManager.for_run(run_dir, cfg.checkpoint)
     loaded = agreed_checkpoint(cfg, checkpoints, world)
     world.barrier()     # every rank has read it before rank 0 writes anything
@@ -170,9 +174,9 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
                         sequence_group=world.sequence_group if world.sequence > 1 else None)
     model = built.model
     if loaded:
-        check_same_shapes(loaded, model, cfg)       # a refused resume leaves the run directory as it was
-    world.on_main(lambda: (run_dir / "config.yaml").write_text(config_yaml))
-    world.on_main(lambda: keep_random_base(cfg, model, run_dir))     # whole, before any sharding
+        check_same_shapes(loaded, model, cfg)
+    # Whole, before any sharding; written only when missing (by a new run, whose checks are all passed).
+    world.on_main(lambda: keep_random_base(cfg, model, run_dir))
     world.on_main(lambda: keep_extended_base(cfg, model, run_dir))
     if cfg.parallel.shard and world.distributed:
         shard_model(model, world, device)
@@ -182,10 +186,12 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     optimizer = build_optimizer(model, cfg.optim, built.plan.full_state)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.max_steps)
     progress = loaded.progress if loaded else Progress()
+    if loaded:      # its last checks: the data state is this data's, the weights fit
+        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
+    world.on_main(lambda: accept_run(run_dir, run_log, config_yaml, overrides))
+    world.on_main(lambda: tidy_checkpoints(checkpoints, loaded))
     wandb_run, metrics_log = open_records(cfg, run_dir, progress, loaded is not None, built, device, world)
     flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
-    if loaded:
-        checkpoints.restore(loaded, model, optimizer, scheduler, stream, cfg.resume_force, world)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.
     job = Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
@@ -259,25 +265,26 @@ def summarize_start(cfg, training: str, device: torch.device, built: Built, run_
     return flops
 
 
-def run_steps(job: Job) -> dict:
+def run_steps(job: Job, stop: StopSignals) -> dict:
     """Train from the job's step to max_steps, or until a stop signal (then checkpoint and return); returns
-    the last step's record (rank 0; the others return the starting step)."""
+    the last step's record (rank 0; the others return the starting step), with `stopped_by`, the signal's
+    number, when one stopped it."""
     record = {"step": job.progress.step}
-    with StopSignals() as stop:
-        for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
-            applied, metrics = run_step(job, step)
-            # Decided together, read once: a signal to any rank stops all after this same step, its checkpoint
-            # before any hook's work; one arriving later is served after the next step.
-            stopping, due = job.world.any([stop.requested, job.checkpoints.due(step)])
-            if not stopping:
-                for hook in job.after_step:
-                    hook(job, step, metrics)
-            if job.metrics_log:
-                record = record_step(job, step, applied, metrics)
-            if job.guard.exhausted:
-                job.guard.stop(step, last_good_checkpoint(job))
-            if checkpoint_after(job, step, applied, stopping, due):
-                break
+    for step in range(job.progress.step + 1, job.cfg.max_steps + 1):
+        applied, metrics = run_step(job, step)
+        # Decided together, read once: a signal to any rank stops all after this same step, its checkpoint
+        # before any hook's work; one arriving later is served after the next step.
+        stopping, due = job.world.any([stop.requested, job.checkpoints.due(step)])
+        if not stopping:
+            for hook in job.after_step:
+                hook(job, step, metrics)
+        if job.metrics_log:
+            record = record_step(job, step, applied, metrics)
+        if job.guard.exhausted:
+            job.guard.stop(step, last_good_checkpoint(job))
+        if checkpoint_after(job, step, applied, stopping, due):
+            # Every rank exits with the same status, that of the signal (of the highest number) received.
+            return record | {"stopped_by": int(job.world.max({"signal": stop.received or 0})["signal"])}
     return record
 
 
@@ -358,9 +365,26 @@ def finish_job(job: Job, completed: bool) -> None:
     release_sequence_group(job.model)
     job.bar.close()
     if job.wandb_run:
-        job.wandb_run.finish(0 if completed else 1)
+        finish_wandb(job.wandb_run, completed)
     if completed and job.world.is_main:
         end_summary(job.run_dir, job.first_step, job.cfg.max_steps, job.last_checkpoint)
+
+
+def finish_wandb(wandb_run, completed: bool) -> None:
+    """Close the W&B run. After the job's error its own failures (its log files on a full disk, most likely the
+    job's error too) are not shown over that error: no traceback for each line it cannot log, one line if it
+    cannot close."""
+    if completed:
+        wandb_run.finish(0)
+        return
+    raising, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        wandb_run.finish(1)
+    except Exception as error:
+        if not disk_is_full(error):     # a full disk: the job's own line says it
+            log.warning("the W&B run could not be closed after the job's error: %s", error)
+    finally:
+        logging.raiseExceptions = raising
 
 
 def agreed_capacity(cfg, device: torch.device, world: World) -> Capacity:

@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from offload.units import GIB
+from storage.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 MetricSource = Callable[[], dict]
@@ -77,7 +78,8 @@ def drop_records_after(path: Path, step: int) -> None:
     redone."""
     if path.is_file():
         kept = [record for record in read_records(path) if record["step"] <= step]
-        path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        # Through a renamed copy: a full disk leaves the records as they were, not an emptied file.
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 class MetricsLog:

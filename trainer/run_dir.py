@@ -13,6 +13,7 @@ from model.hf_checkpoint import full_weights, is_lora
 from storage.lock import DirectoryLock, LockHeld
 from trainer.build import BASE_MODEL_DIR
 from trainer.checkpoint.disk_space import save_hf_model_if_room
+from trainer.console import RunLog
 from trainer.distributed import World
 
 # In the run directory: held by the run writing there (one_writer).
@@ -52,10 +53,15 @@ def take_run_dir(lock: DirectoryLock, run_dir: Path) -> None:
                           f"output_dir on a filesystem with file locks (docs/JOBS.md)") from None
 
 
-def keep_overrides(run_dir: Path, overrides: list[str]) -> None:
-    """Write a sweep job's overrides into its run directory, once its lock is held and before it runs, so a
-    job that fails keeps them too."""
-    (run_dir / OVERRIDES_FILE).write_text(yaml.safe_dump(overrides))
+def accept_run(run_dir: Path, run_log: RunLog | None, config_yaml: str, overrides: list[str] | None) -> None:
+    """The first writes of a run allowed to continue its run directory (a new run, or a resume whose checks all
+    passed), before its first step: train.log with the lines held so far, config.yaml, and a sweep job's
+    overrides (so a job that fails keeps them too). A run refused before this has written nothing there."""
+    if run_log:
+        run_log.keep()
+    (run_dir / "config.yaml").write_text(config_yaml)
+    if overrides is not None:
+        (run_dir / OVERRIDES_FILE).write_text(yaml.safe_dump(overrides))
 
 
 def keep_random_base(cfg, model: torch.nn.Module, run_dir: Path) -> None:

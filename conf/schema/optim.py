@@ -72,7 +72,8 @@ def mode_reason(cfg) -> str:
     selects train=full)."""
     mode, model = cfg.train.mode, cfg.model.name
     if model in FROM_SCRATCH:
-        return (f"train.mode=full (model={model}'s default: it trains from random init; train=lora for adapters)"
+        start = f"it fine-tunes model.path={cfg.model.path}" if cfg.model.path else "it trains from random init"
+        return (f"train.mode=full (model={model}'s default: {start}, every parameter; train=lora for adapters)"
                 if mode == "full" else f"train.mode={mode} (chosen over model={model}'s default train=full)")
     return ("train.mode=lora (the default; train=full for every parameter)" if mode == "lora" else
             f"train.mode={mode} (train={mode}; the default is train=lora)")

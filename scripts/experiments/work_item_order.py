@@ -24,7 +24,7 @@ traffic) matters there.
 
 The one-pass backward launches a CTA per (KV head, key block) instead, and the GPU starts each CTA in grid
 order as one ends: the last table is that list scheduling's time over the ideal (total work / CTAs), with
-the KV heads the grid's fastest axis (the kernel's) or the key blocks (docs/experiments/kv_major_backward.patch,
+the KV heads the grid's fastest axis (the kernel's) or the key blocks (kv_major_backward.patch at bf4cd01,
 from 32k tokens: no faster on the GPU), a key block's work being the query tiles at and after it; one batch
 row, one launch."""
 from __future__ import annotations

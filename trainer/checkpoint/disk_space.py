@@ -2,6 +2,7 @@
 that names what to do, raised before anything is written, instead of a write failing halfway."""
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from model.hf_checkpoint import is_lora, save_hf_model
 from offload.units import GIB
-from trainer.checkpoint.format import CheckpointError
+from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, complete_checkpoints
 
 # Headroom over the estimated size (file headers, config, peft metadata).
 DISK_MARGIN_BYTES = 64 << 20
@@ -26,6 +27,27 @@ def check_free_disk(directory: Path, needed: int) -> None:
             f"not enough disk for a checkpoint in {directory}: it needs about {needed / GIB:.2f} GiB, "
             f"{free / GIB:.2f} GiB are free. Free space there, lower checkpoint.keep_last, or give an "
             f"output_dir on a larger disk (and resume=<checkpoint path> to continue from this run)")
+
+
+def disk_is_full(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_line(error: BaseException, run_dir: Path) -> str | None:
+    """The one line for a job stopped by a full disk (ENOSPC or a quota, or any error while the run directory's
+    disk has less than DISK_MARGIN_BYTES free: torch.save reports a failed write as a RuntimeError); None for
+    another error."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if not disk_is_full(error) and free >= DISK_MARGIN_BYTES:
+        return None
+    newest = complete_checkpoints(run_dir / CHECKPOINTS_DIR)
+    kept = f"newest {newest[-1]}" if newest else "none was written yet"
+    return (f"the disk of output_dir={run_dir} is full ({free / 2**20:.1f} MiB free; {error}): the job stopped. "
+            f"Its checkpoints are intact ({kept}): free space there, or lower checkpoint.keep_last, and run it "
+            f"again with this output_dir to continue")
 
 
 def checkpoint_size(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -80,10 +80,20 @@ def step_of(path: Path) -> int | None:
 
 
 def step_dirs(root: Path) -> list[Path]:
-    """step-<N> directories under `root`, oldest first."""
+    """step-<N> directories under `root`, oldest first; an empty one (empty_step_dirs) holds nothing to read."""
     if not root.is_dir():
         return []
-    return sorted((d for d in root.iterdir() if d.is_dir() and step_of(d) is not None), key=step_of)
+    return sorted((d for d in root.iterdir() if d.is_dir() and step_of(d) is not None and any(d.iterdir())),
+                  key=step_of)
+
+
+def empty_step_dirs(root: Path) -> list[Path]:
+    """Empty step-<N> directories under `root`: what a deletion (keep_last, a save replacing a directory of its
+    name) leaves when it is interrupted after emptying the directory. A save never leaves one (it renames a
+    full directory into place)."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if d.is_dir() and step_of(d) is not None and not any(d.iterdir()))
 
 
 def write_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, data,
@@ -214,7 +224,7 @@ def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
     try:
         sharded = path / STATE_DIR
         adapter = path / ADAPTER_DIR / "adapter_model.safetensors"
-        return LoadedCheckpoint(
+        loaded = LoadedCheckpoint(
             path=path, progress=Progress(**{k: v for k, v in json.loads((path / PROGRESS_FILE).read_text()).items()
                                             if k in Progress.__dataclass_fields__}),
             config_yaml=(path / CONFIG_FILE).read_text(),
@@ -227,3 +237,8 @@ def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
             state_dir=sharded if sharded.is_dir() else None)
     except Exception as error:  # any unreadable part makes the whole checkpoint unusable
         raise CheckpointError(f"checkpoint {path} is corrupt: {type(error).__name__}: {error}") from error
+    named = step_of(path)
+    if named is not None and named != loaded.progress.step:     # renamed by hand: its place in the order is false
+        raise CheckpointError(f"checkpoint {path} holds step {loaded.progress.step} (its {PROGRESS_FILE}), not "
+                              f"{named}: rename it {STEP_PREFIX}{loaded.progress.step} to resume from it")
+    return loaded

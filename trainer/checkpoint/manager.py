@@ -8,7 +8,7 @@ a newer one is complete, so a crash at any moment leaves the previous checkpoint
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -19,15 +19,13 @@ from model.hf_checkpoint import is_lora
 from storage.atomic import TEMP_PREFIX, atomic_directory, fresh_temp_directory, publish_directory
 from trainer.checkpoint.disk_space import check_free_disk, checkpoint_size
 from trainer.checkpoint.format import (ADAPTER_DIR, CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, Progress,
-                                       complete_checkpoints, content_problem, read_checkpoint, step_dir, step_dirs,
-                                       step_of, write_checkpoint, write_complete_marker)
+                                       complete_checkpoints, content_problem, empty_step_dirs, read_checkpoint,
+                                       step_dir, step_dirs, step_of, write_checkpoint, write_complete_marker)
 from trainer.checkpoint.rng_state import restore_rng_state
 from trainer.checkpoint.sharded_state import load_full_state, load_sharded_state
 from trainer.distributed import World
 from trainer.optim import continue_schedule
 from trainer.sharding import is_sharded
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -37,6 +35,8 @@ class CheckpointManager:
     def __init__(self, root: Path, every_steps: int = 0, every_minutes: float = 0, keep_last: int = 0):
         self.root = root
         self.every_steps, self.every_seconds, self.keep_last = every_steps, every_minutes * 60, keep_last
+        # What read_newest skipped: step directory -> why it cannot be resumed from.
+        self.skipped: dict[Path, str] = {}
         self.restart_interval(0)
 
     @classmethod
@@ -110,10 +110,10 @@ class CheckpointManager:
         for directory in complete[:-self.keep_last] if self.keep_last else []:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def set_aside_after(self, step: int) -> list[Path]:
+    def set_aside_after(self, step: int) -> list[tuple[Path, Path]]:
         """Rename the step directories newer than `step` (checkpoints a resume from `step` skipped as
         unreadable) to step-<N>.unreadable, so that the saves of the resumed run neither replace nor prune
-        them; returns the new names."""
+        them; returns (old, new) paths."""
         moved = []
         for directory in step_dirs(self.root):
             if step_of(directory) > step:
@@ -121,8 +121,18 @@ class CheckpointManager:
                 while target.exists():
                     attempt += 1
                     target = directory.with_name(f"{directory.name}.unreadable-{attempt}")
-                moved.append(directory.rename(target))
+                moved.append((directory, directory.rename(target)))
         return moved
+
+    def remove_empty(self) -> list[Path]:
+        """Remove the empty step directories (empty_step_dirs); returns them. rmdir removes only an empty
+        directory, so nothing written meanwhile is lost."""
+        removed = []
+        for directory in empty_step_dirs(self.root):
+            with contextlib.suppress(OSError):      # no longer empty, or gone: not ours to remove
+                directory.rmdir()
+                removed.append(directory)
+        return removed
 
     # -------------------------------------------------------------------------------------------- reading
 
@@ -145,20 +155,17 @@ class CheckpointManager:
         return read_checkpoint(path, verify)
 
     def read_newest(self) -> LoadedCheckpoint | None:
-        """The newest readable checkpoint under `root`, None when there is none; broken ones are skipped with
-        a warning, and when every one is broken, CheckpointError lists them: starting over would lose them."""
-        unreadable = []
+        """The newest readable checkpoint under `root`, None when there is none; broken ones are skipped (kept
+        in `skipped`, for the line that sets them aside), and when every one is broken, CheckpointError lists
+        them: starting over would lose them."""
+        self.skipped = {}
         for directory in reversed(step_dirs(self.root)):
             try:
-                loaded = self.read(directory)
+                return self.read(directory)
             except CheckpointError as error:
-                unreadable.append(str(error))
-                continue
-            for problem in unreadable:
-                log.warning("skipping %s", problem)
-            return loaded
-        if unreadable:
-            listing = "\n  ".join(unreadable)
+                self.skipped[directory] = str(error)
+        if self.skipped:
+            listing = "\n  ".join(self.skipped.values())
             raise CheckpointError(
                 f"no checkpoint in {self.root} can be resumed from:\n  {listing}\nNothing was changed. Repair "
                 f"them, or move them (and metrics.jsonl) out of the run directory to start over in it; "

@@ -11,7 +11,9 @@ from conf.errors import ConfigError
 from model.hf_checkpoint import HFCheckpointError
 from trainer.architecture import saved_config
 from trainer.build import BASE_MODEL_DIR
-from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, LoadedCheckpoint, step_dirs, step_of
+from storage.atomic import TEMP_PREFIX
+from trainer.checkpoint.format import (CHECKPOINTS_DIR, STEP_PREFIX, CheckpointError, LoadedCheckpoint, step_dirs,
+                                       step_of)
 from trainer.checkpoint.manager import CheckpointManager, shape_differences
 from trainer.distributed import World
 from trainer.metrics import METRICS_FILE, read_records
@@ -123,16 +125,36 @@ def in_run_dir(loaded: LoadedCheckpoint, checkpoints: CheckpointManager) -> bool
     return loaded.path.resolve().parent == checkpoints.root.resolve()
 
 
-def set_aside_skipped(checkpoints: CheckpointManager, resumed_step: int) -> None:
-    for moved in checkpoints.set_aside_after(resumed_step):
-        log.warning("set aside %s, which resuming from step %d skipped, so that no save replaces it",
-                    moved, resumed_step)
+def tidy_checkpoints(checkpoints: CheckpointManager, loaded: LoadedCheckpoint | None) -> None:
+    """Once the run may continue its run directory (rank 0): the step directories a resume from it skipped
+    set aside, and the empty ones removed, each with one line."""
+    if loaded and in_run_dir(loaded, checkpoints):
+        step = loaded.progress.step
+        for directory, moved in checkpoints.set_aside_after(step):
+            why = checkpoints.skipped.get(directory, f"checkpoint {directory} is newer than step {step}")
+            log.warning("skipping %s; set aside as %s, so that no save replaces it", why, moved.name)
+    for directory in checkpoints.remove_empty():
+        log.warning("removed the empty %s (left by an interrupted deletion)", directory)
+
+
+def name_unused_dirs(checkpoints: CheckpointManager) -> None:
+    """One line for each directory under checkpoints/ that the run neither reads nor writes (a copy named by
+    hand, such as step-4-best): a user may expect it to be resumed from."""
+    if not checkpoints.root.is_dir():
+        return
+    for path in sorted(checkpoints.root.iterdir()):
+        ours = step_of(path) is not None or path.name.startswith(TEMP_PREFIX) or ".unreadable" in path.name
+        if path.is_dir() and not ours:
+            log.warning("%s is not a checkpoint directory this run uses (those are named %s<N>): not resumed "
+                        "from, not pruned", path, STEP_PREFIX)
 
 
 def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoint | None:
     """The checkpoint named by cfg.resume, read and checked against cfg; None starts a fresh run. Nothing
-    that the run would not continue is left where its saves could overwrite or delete it."""
+    that the run would not continue is left where its saves could overwrite or delete it: refused, or set
+    aside once the run is accepted (tidy_checkpoints)."""
     setting = str(cfg.resume).strip()
+    name_unused_dirs(checkpoints)
     if setting.lower() in FRESH:
         refuse_earlier_work(checkpoints, "a new run", cfg)
         return None
@@ -150,8 +172,6 @@ def checkpoint_to_resume(cfg, checkpoints: CheckpointManager) -> LoadedCheckpoin
         else:
             refuse_earlier_work(checkpoints, f"resuming {loaded.path} from another run directory", cfg)
     check_same_run(loaded, cfg)
-    if in_run_dir(loaded, checkpoints):
-        set_aside_skipped(checkpoints, loaded.progress.step)
     log.info("resuming from %s (step %d, %d tokens seen)", loaded.path, loaded.progress.step,
              loaded.progress.tokens_seen)
     return loaded
