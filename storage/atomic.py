@@ -3,12 +3,18 @@ written in a temporary sibling, every file flushed to disk, then renamed into pl
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from pathlib import Path
 
 # Temporary siblings start with this, so a later save can find and remove the leftovers of a killed one.
 TEMP_PREFIX = ".tmp-"
+
+
+def disk_is_full(error: BaseException | None) -> bool:
+    """Whether `error` is a write refused for want of room: the disk full, or the user's quota."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_path(path: Path) -> None:

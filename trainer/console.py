@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from trainer.checkpoint.disk_space import disk_is_full
+from storage.atomic import disk_is_full
 from trainer.metrics import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ from data import DataError, build_data, preflight_data
 from offload.byte_model import Capacity
 from offload.plan import MemoryPlan
 from offload.units import GIB
+from storage.atomic import disk_is_full
 from trainer.allocator import cap_gpu_memory, gpu_cap_note
 from trainer.architecture import context_summary, model_architecture, record_architecture, trained_context
 from trainer.build import (Built, build_model, checked_plan, count_parameters, keep_extended_base,
                            release_sequence_group)
-from trainer.checkpoint.disk_space import disk_is_full
 from trainer.checkpoint.format import Progress
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.resume import agreed_checkpoint, check_same_shapes, keep_started_warmup, tidy_checkpoints

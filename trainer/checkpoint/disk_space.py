@@ -2,7 +2,6 @@
 that names what to do, raised before anything is written, instead of a write failing halfway."""
 from __future__ import annotations
 
-import errno
 import shutil
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 
 from model.hf_checkpoint import is_lora, save_hf_model
 from offload.units import GIB
+from storage.atomic import disk_is_full
 from trainer.checkpoint.format import CHECKPOINTS_DIR, CheckpointError, complete_checkpoints
 
 # Headroom over the estimated size (file headers, config, peft metadata).
@@ -27,10 +27,6 @@ def check_free_disk(directory: Path, needed: int) -> None:
             f"not enough disk for a checkpoint in {directory}: it needs about {needed / GIB:.2f} GiB, "
             f"{free / GIB:.2f} GiB are free. Free space there, lower checkpoint.keep_last, or give an "
             f"output_dir on a larger disk (and resume=<checkpoint path> to continue from this run)")
-
-
-def disk_is_full(error: BaseException | None) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def full_disk_line(error: BaseException, run_dir: Path) -> str | None:
