@@ -79,7 +79,8 @@ class DecoderConfig:
             raise ValueError(refusal)
         is_hf = "model_type" in values or "architectures" in values
         family = family_of_config(values) if is_hf else family_named(values.get("family", cls.family))
-        refusal = family.refusal(values)
+        # A window the family's config class switches on where config.json leaves it out (Mistral's default).
+        refusal = (is_hf and sliding_window_refusal({**family.defaults, **values})) or family.refusal(values)
         if refusal:
             raise ValueError(refusal)
         values = {key: value for key, value in values.items() if value is not None}

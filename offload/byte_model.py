@@ -24,7 +24,7 @@ import torch
 
 from kernels.attention import cudnn_attention
 from model.config import DecoderConfig
-from model.family import norm_shapes, projection_shapes, saved_by_qk_norm
+from model.family import bias_shapes, norm_shapes, projection_shapes, saved_by_qk_norm
 from offload.units import GIB
 
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
@@ -106,8 +106,9 @@ def parameter_counts(arch: DecoderConfig, train_cfg) -> tuple[int, int]:
 
 
 def layer_parameters(arch: DecoderConfig) -> int:
-    """One decoder layer's parameters: its projections and norms (model.family says which)."""
-    return sum(i * o for i, o in projection_shapes(arch).values()) + sum(norm_shapes(arch).values())
+    """One decoder layer's parameters: its projections, their biases and its norms (model.family says which)."""
+    return (sum(i * o for i, o in projection_shapes(arch).values()) + sum(bias_shapes(arch).values())
+            + sum(norm_shapes(arch).values()))
 
 
 def _adapter_parameters(arch: DecoderConfig, train_cfg, names: Iterable[str]) -> int:

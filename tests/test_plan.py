@@ -46,6 +46,22 @@ def test_parameter_counts_of_llama3_8b():
     assert lora == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * (4096 + 14336))
 
 
+@pytest.mark.parametrize("group, published", [("qwen2_5_7b", 7_615_616_512), ("llama3_2_3b", 3_212_749_824),
+                                               ("llama3_2_1b", 1_235_814_400), ("mistral_7b", 7_248_023_552)])
+def test_parameter_counts_of_the_family_groups_are_their_checkpoints_and_our_models(group, published):
+    """Qwen2.5's q/k/v biases and Llama 3.2's one tied embedding are counted: the published sizes, and the
+    parameters of the model built (on the meta device)."""
+    from omegaconf import OmegaConf
+
+    from conf.schema.model import ModelConfig
+    from model import CausalLM
+    from trainer.architecture import architecture, group_values
+    arch = architecture(OmegaConf.merge(OmegaConf.structured(ModelConfig), group_values(group)))
+    with torch.device("meta"):
+        built = sum(param.numel() for param in CausalLM(arch).parameters())
+    assert parameter_counts(arch, SimpleNamespace(mode="full"))[0] == built == published
+
+
 def test_pinned_buffers_round_to_powers_of_two():
     assert pinned_size(GIB) == GIB and pinned_size(GIB + 1) == 2 * GIB
 
