@@ -1,7 +1,7 @@
-"""Qwen2.5 (q/k/v biases) and Llama 3.2 (tied embeddings) through the trainer, scripts/export.py and the
-Hugging Face stack: a tiny transformers-made checkpoint trained (LoRA; full fine-tuning for the tied head,
-whose gradient reaches the shared weight), exported, loaded by transformers with our logits, and the adapter
-loaded by peft's AutoPeftModelForCausalLM with the same logits."""
+"""Qwen2.5 (q/k/v biases), Llama 3.2 (tied embeddings) and Mistral 7B v0.3 through the trainer,
+scripts/export.py and the Hugging Face stack: a tiny transformers-made checkpoint trained (LoRA; full
+fine-tuning for the tied head, whose gradient reaches the shared weight), exported, loaded by transformers with
+our logits, and the adapter loaded by peft's AutoPeftModelForCausalLM with the same logits."""
 from __future__ import annotations
 
 import json
@@ -21,17 +21,20 @@ from trainer.loop import train
 TOKENS = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
 # A high learning rate so a few steps move the weights visibly away from the base.
 TRAIN = ["max_steps=3", "optim.lr=1e-2"]
+# transformers' class names of each family: <prefix>Config, <prefix>ForCausalLM.
+CLASS_PREFIX = {"qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}
 
 
 def save_base(directory, family: str, tied: bool):
     """A tiny transformers checkpoint of `family` (Qwen2's biases random, not zero) beside a tokenizer."""
     import transformers
-    config_class, model_class = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    config_class = getattr(transformers, f"{CLASS_PREFIX[family]}Config")
+    model_class = getattr(transformers, f"{CLASS_PREFIX[family]}ForCausalLM")
     torch.manual_seed(0)
     config = config_class(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
-                          rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=2, eos_token_id=3)
+                          rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=2, eos_token_id=3,
+                          **({"sliding_window": None} if family == "mistral" else {}))     # v0.3: no window
     model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -67,7 +70,8 @@ def run_and_export(tmp_path, base, family: str, mode: str):
     return checkpoint, tmp_path / "hf"
 
 
-@pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True)], ids=["qwen2.5", "llama3.2-tied"])
+@pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True), ("mistral", False)],
+                         ids=["qwen2.5", "llama3.2-tied", "mistral"])
 def test_a_lora_run_exports_merged_and_its_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, tied):
     base = save_base(tmp_path / "base", family, tied)
     checkpoint, exported = run_and_export(tmp_path, base, family, "lora")
@@ -75,14 +79,14 @@ def test_a_lora_run_exports_merged_and_its_adapter_loads_in_peft_with_the_same_l
                                        checkpoint / ADAPTER_DIR))
     assert not torch.allclose(expected, hf_logits(hf_model(base)), atol=1e-3)     # the adapter changed something
     merged = hf_model(exported)
-    assert type(merged).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]
+    assert type(merged).__name__ == f"{CLASS_PREFIX[family]}ForCausalLM"
     torch.testing.assert_close(hf_logits(merged), expected, rtol=1e-4, atol=1e-4)
     weights = load_file(exported / "model.safetensors")
     if tied:    # one weight, stored once, that transformers ties again
         assert "lm_head.weight" not in weights and json.loads((exported / "config.json").read_text())[
             "tie_word_embeddings"] is True
         assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
-    else:       # the biases are merged with the rest of the base
+    elif family == "qwen2":     # the biases are merged with the rest of the base
         attention = "model.layers.0.self_attn"
         assert f"{attention}.q_proj.bias" in weights and f"{attention}.o_proj.bias" not in weights
     from peft import AutoPeftModelForCausalLM
