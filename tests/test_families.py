@@ -237,6 +237,20 @@ def test_a_family_defined_in_one_place_trains_through_the_trainer(tmp_path, test
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
+def test_qwen2_trains_its_biases_and_resumes_through_the_trainer(tmp_path):
+    """model.family=qwen2 (random init, full fine-tuning): the q/k/v biases train from zero, are checkpointed,
+    and a resumed run takes the straight run's losses."""
+    overrides = ["model.family=qwen2", "max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+    train(job_config(tmp_path / "straight", *overrides))
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "straight" / "checkpoints" / "step-4" / "model.safetensors")
+    assert weights["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
+    assert "model.layers.0.self_attn.o_proj.bias" not in weights
+    train(job_config(tmp_path / "resumed", *overrides[:-2], "max_steps=2", "checkpoint.every_steps=2"))
+    train(job_config(tmp_path / "resumed", *overrides))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qwen3_on_our_gpu_kernels_against_the_fp32_reference():
     """A Qwen3 of real head width (128: the Triton/Gluon attention, QK-norm through the Triton RMSNorm over

@@ -182,6 +182,26 @@ def test_parallel_settings_are_checked(overrides, message):
         validate(cfg)
 
 
+def test_a_degree_the_kv_heads_neither_split_nor_repeat_over_is_refused_before_anything_is_built(monkeypatch):
+    """Qwen2.5-7B's 4 KV heads over 6 ranks: one line from validation; over 8 (28 query heads padded) none."""
+    from hydra import compose, initialize_config_dir
+    from conf.schema import register_configs
+    from conf.validate import validate
+    register_configs()
+    conf_dir = str(Path(__file__).resolve().parents[1] / "conf")
+    for degree in (6, 8):
+        monkeypatch.setenv("WORLD_SIZE", str(degree))
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            cfg = compose("config", overrides=["model=qwen2_5_7b", "seq_len=24576", f"parallel.sequence={degree}"])
+        if degree == 8:
+            validate(cfg)
+            continue
+        with pytest.raises(ConfigError) as refused:
+            validate(cfg)
+        assert str(refused.value) == ("parallel.sequence=6 shards attention heads: it must divide or be a multiple "
+                                      "of the model's 4 KV heads (its 28 query heads are padded to a multiple)")
+
+
 def test_streamed_full_fine_tuning_states_are_refused_over_several_processes(monkeypatch):
     from hydra import compose, initialize_config_dir
     from conf.schema import register_configs
