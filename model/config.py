@@ -80,7 +80,8 @@ class DecoderConfig:
             raise ValueError(refusal)
         is_hf = "model_type" in values or "architectures" in values
         family = family_of_config(values) if is_hf else family_named(values.get("family", cls.family))
-        refusal = family.refusal(values)
+        # A window the family's config class switches on where config.json leaves it out (Mistral's default).
+        refusal = (is_hf and sliding_window_refusal({**family.defaults, **values})) or family.refusal(values)
         if refusal:
             raise ValueError(refusal)
         rope_parameters = values.pop("rope_parameters", None)
@@ -90,8 +91,9 @@ class DecoderConfig:
         values["rope_scaling"] = with_original_context(values.get("rope_scaling"),
                                                        values.pop("original_max_position_embeddings", None))
         names = {f.name for f in dataclasses.fields(cls)}
-        given = {key: value for key, value in values.items() if key in names and value is not None}
-        return cls(**{**family.defaults, **given, "family": family.name})
+        built = {**family.defaults, **{key: value for key, value in values.items() if value is not None},
+                 "family": family.name}
+        return cls(**{key: value for key, value in built.items() if key in names})
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style dict that peft and loggers read as `model.config`."""

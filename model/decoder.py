@@ -1,5 +1,5 @@
 """The decoder every model family shares (Llama 3, Qwen3, ...), with the parameter names of transformers'
-causal-LM classes. A family (model/family.py) switches the layer's optional ops on (QK-norm).
+causal-LM classes. A family (model/family.py) switches the layer's optional ops on (QK-norm, q/k/v bias).
 
 The model knows nothing about memory policy: `Decoder.run_layer` is the single place a decoder layer is
 called, and `offload/` replaces it on an instance to checkpoint, offload or tile. Ops go through
@@ -36,9 +36,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.q_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        bias = cfg.ops.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.q_heads * self.head_dim, cfg.hidden_size, bias=False)
         # QK-norm: one RMSNorm weight over head_dim, shared by every head; absent (no parameters) elsewhere
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.ops.qk_norm else None
@@ -169,6 +170,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+                if getattr(module, "bias", None) is not None:     # as transformers initialises one
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 

@@ -4,8 +4,8 @@ other layer reads instead of knowing an architecture by name.
 All families share one decoder (model/decoder.py: RMSNorm, attention with RoPE, SwiGLU MLP, transformers'
 parameter names); a family says which of the shared layer's options it uses (`LayerOps`), how its
 config.json is spelled (model types, class names, the keys and defaults that differ from Llama's) and what
-it refuses to load. From that, `projection_shapes`, `norm_shapes` and `saved_by_qk_norm` give the planner
-(offload/byte_model.py) the layer's parameters and what its ops keep for the backward, and the checkpoint
+it refuses to load. From that, `projection_shapes`, `bias_shapes`, `norm_shapes` and `saved_by_qk_norm` give
+the planner (offload/byte_model.py) the layer's parameters and what its ops keep for the backward, and the checkpoint
 loader, the export, FP8, LoRA, sharding and the memory policy walk the same modules whatever the family.
 Adding a family that reuses the shared ops is one module in model/families/ and one entry in the registry
 there (model/families/__init__.py; docs/ARCHITECTURE.md, "Adding a model family").
@@ -22,6 +22,8 @@ class LayerOps:
     """The shared decoder layer's optional ops a family uses."""
     # RMSNorm over each head of q and k after their projections, before RoPE (Qwen3's "QK-norm").
     qk_norm: bool = False
+    # A bias on the q, k and v projections (not o: Qwen2/2.5), trained and exported with them.
+    qkv_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ def projection_shapes(arch) -> dict[str, tuple[int, int]]:
     return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
             "gate_proj": (d, arch.intermediate_size), "up_proj": (d, arch.intermediate_size),
             "down_proj": (arch.intermediate_size, d)}
+
+
+def bias_shapes(arch) -> dict[str, int]:
+    """The width of each of a decoder layer's projection biases (none but with LayerOps.qkv_bias)."""
+    if not arch.ops.qkv_bias:
+        return {}
+    shapes = projection_shapes(arch)
+    return {name: shapes[name][1] for name in ("q_proj", "k_proj", "v_proj")}
 
 
 def norm_shapes(arch) -> dict[str, int]:

@@ -3,8 +3,9 @@ projection's weight is held in float8 e4m3 with one fp32 scale per output row, q
 is built (the bf16 weight is freed), and the projection's forward and input-gradient products run in FP8
 (kernels.scaled_matmul). Adapters, norms, attention, loss and optimizer stay as they are.
 
-  forward   y = x W^T       x quantized per row (token), W per output row:
-                            y[m, n] = sx[m] sw[n] sum_k qx[m, k] qw[n, k]
+  forward   y = x W^T (+ b) x quantized per row (token), W per output row; a bias (Qwen2's q/k/v), frozen
+                            like W, added after the product in its output dtype:
+                            y[m, n] = sx[m] sw[n] sum_k qx[m, k] qw[n, k] (+ b[n])
   backward  dx = g W        the sum runs over W's rows, so their scales cannot stay outside it: they scale g's
                             columns before g is quantized (folded into the quantization),
                             dx[m, k] = sg[m] sum_n q(g sw)[m, n] qw[n, k]
@@ -85,6 +86,8 @@ class Fp8Product(torch.autograd.Function):
         values, scale = linear.shared_input.quantized(x, as_rows("FP8 projection", "input", x))
         y = kernels.scaled_matmul(values, scale, linear.weight_fp8, linear.weight_scale, out_dtype,
                                   fast_accumulation=True)
+        if linear.bias is not None:      # frozen, so no gradient: added to the product in its output dtype
+            y.add_(linear.bias.to(out_dtype))
         return y.view(*x.shape[:-1], linear.out_features)
 
     @staticmethod
@@ -99,15 +102,15 @@ class Fp8Product(torch.autograd.Function):
 
 
 class Fp8Linear(nn.Module):
-    """A frozen bias-free nn.Linear whose weight is held as e4m3 [out, in] (`weight_fp8`) with fp32 scales per
-    output row (`weight_scale`). Its state dict holds `weight`, dequantized, under the Linear's name, so
-    whatever reads a model's weights (a random base kept for export) finds them; loading one quantizes it."""
+    """A frozen nn.Linear whose weight is held as e4m3 [out, in] (`weight_fp8`) with fp32 scales per output row
+    (`weight_scale`), and its bias (Qwen2's q/k/v), if any, kept as it was: a frozen parameter in its own dtype.
+    Its state dict holds `weight`, dequantized, and `bias` under the Linear's names, so whatever reads a model's
+    weights (a random base kept for export) finds them; loading one quantizes the weight."""
 
     def __init__(self, linear: nn.Linear, shared_input: SharedQuantizedInput | None = None):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("Fp8Linear: a projection with a bias is not supported (no family built here has one)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
         self.shared_input = shared_input or SharedQuantizedInput(readers=1)
         self.register_buffer("weight_fp8", None, persistent=False)
         self.register_buffer("weight_scale", None, persistent=False)
@@ -128,6 +131,8 @@ class Fp8Linear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.dequantized_weight()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -135,9 +140,17 @@ class Fp8Linear(nn.Module):
             self.set_weight(state_dict[prefix + "weight"].to(self.weight_scale.device))
         else:
             missing_keys.append(prefix + "weight")
+        if self.bias is None:
+            return
+        if prefix + "bias" in state_dict:
+            with torch.no_grad():
+                self.bias.copy_(state_dict[prefix + "bias"])
+        else:
+            missing_keys.append(prefix + "bias")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 with row scales"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"e4m3 with row scales")
 
 
 def check_fp8_widths(hidden: int, attention_width: int, kv_width: int, intermediate: int) -> str | None:
@@ -160,7 +173,7 @@ def quantize_frozen_base(model: nn.Module) -> int:
                 module = getattr(block, name)
                 holder, attribute = (module, "base_layer") if hasattr(module, "base_layer") else (block, name)
                 linear = getattr(holder, attribute)
-                if linear.weight.requires_grad:
+                if any(param.requires_grad for param in linear.parameters()):
                     raise ValueError(f"quantize_frozen_base: {block_name}.{name} is trained; FP8 holds only a "
                                      f"frozen base")
                 setattr(holder, attribute, Fp8Linear(linear, shared))

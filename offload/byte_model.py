@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from conf.schema.train import fp8_base
+from conf.schema.parallel import padded_query_heads
 from kernels.attention import cudnn_attention
 from model.config import DecoderConfig
-from model.family import norm_shapes, projection_shapes, saved_by_qk_norm
+from model.family import bias_shapes, norm_shapes, projection_shapes, saved_by_qk_norm
 from offload.units import GIB
 
 # Live [tokens, hidden] activations at the peak of a checkpointed layer's backward (incoming gradient,
@@ -112,8 +113,9 @@ def parameter_counts(arch: DecoderConfig, train_cfg) -> tuple[int, int]:
 
 
 def layer_parameters(arch: DecoderConfig) -> int:
-    """One decoder layer's parameters: its projections and norms (model.family says which)."""
-    return sum(i * o for i, o in projection_shapes(arch).values()) + sum(norm_shapes(arch).values())
+    """One decoder layer's parameters: its projections, their biases and its norms (model.family says which)."""
+    return (sum(i * o for i, o in projection_shapes(arch).values()) + sum(bias_shapes(arch).values())
+            + sum(norm_shapes(arch).values()))
 
 
 def _adapter_parameters(arch: DecoderConfig, train_cfg, names: Iterable[str]) -> int:
@@ -255,12 +257,13 @@ def top_layer_full_costs_nothing(shape: Shape, full_layer: int, mlp_tiles: int, 
 
 def sequence_exchange_bytes(shape: Shape, degree: int) -> int:
     """Sequence parallelism over `degree` ranks (kernels.attention.sequence_parallel): the all-to-alls' copies of q, k
-    and v (KV heads repeated up to the degree when fewer) and of the attention output, live together in a
-    layer's backward. `shape.tokens` is this rank's slice."""
+    and v (KV heads repeated up to the degree when fewer, query heads padded to a multiple of it) and of the
+    attention output, live together in a layer's backward. `shape.tokens` is this rank's slice."""
     if degree == 1:
         return 0
     arch = shape.arch
-    heads = arch.num_attention_heads + 2 * max(arch.num_key_value_heads, degree) + arch.num_attention_heads
+    q_heads = padded_query_heads(arch.num_attention_heads, arch.num_key_value_heads, degree)
+    heads = q_heads + 2 * max(arch.num_key_value_heads, degree) + q_heads
     return shape.tokens * heads * arch.head_dim * shape.act_bytes
 
 
@@ -280,12 +283,15 @@ def full_layer_bytes(shape: Shape, train_cfg, mlp_tiled: bool, device_type: str 
     (r=16, no dropout) keeps 6.5 [tokens, hidden] activations, 6.5 times a checkpointed layer's kept input;
     a tiled MLP still recomputes its tiles in the backward. Sequence parallel over more than one rank
     (`shape.tokens` this rank's slice): the attention keeps its inputs and output in the exchanged layout,
-    KV heads repeated up to the degree when fewer, and o_proj's input is the output exchanged back: one more
+    KV heads repeated up to the degree when fewer and query heads padded to a multiple of it
+    (conf.schema.parallel.padded_query_heads), and o_proj's input is the output exchanged back: one more
     copy of the attention output (measured on 2 H200s: without it the plan ran out of memory)."""
     arch, act = shape.arch, shape.act_bytes
     d, kv = arch.hidden_size, max(arch.num_key_value_heads, sequence_parallel) * arch.head_dim
     q = arch.num_attention_heads * arch.head_dim
-    per_token = act * (2 * d + 2 * q + 2 * kv) + 4 * (2 + arch.num_attention_heads) + 2 * 4
+    # the query heads attention runs on: padded to a multiple of the sequence-parallel degree
+    heads = padded_query_heads(arch.num_attention_heads, arch.num_key_value_heads, sequence_parallel)
+    per_token = act * (2 * d + 2 * heads * arch.head_dim + 2 * kv) + 4 * (2 + heads) + 2 * 4
     per_token += saved_by_qk_norm(arch, act)
     if sequence_parallel > 1:
         per_token += act * q

@@ -20,28 +20,37 @@ VOCAB = 101
 # The original context is 32 positions; the inputs run to 90, so every rope scaling is exercised past it.
 CONTEXT, LENGTH = 32, 90
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT}
+# Llama 3.1/3.2's rope type (their factor is 32 over 8192; scaled down to this context).
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": CONTEXT}
 
 
 def hf_classes(family: str):
     import transformers
     return {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
 
 
 def save_hf(directory, family: str, rope: dict | None = None, tied: bool = False, head_dim: int = 32):
     """A tiny transformers model of `family` with sharp attention (q and k scaled, so a wrong rope or a missing
-    QK-norm changes the logits visibly) and non-trivial norms, saved with save_pretrained."""
+    QK-norm changes the logits visibly), non-trivial norms and biases (Qwen2's, zero as initialised), saved
+    with save_pretrained."""
     config_class, model_class = hf_classes(family)
     config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                           max_position_embeddings=4 * CONTEXT, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-                          rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})})
+                          rope_parameters={"rope_theta": 10000.0, **(rope or {"rope_type": "default"})},
+                          **({"sliding_window": None} if family == "mistral" else {}))     # v0.3's: no window
     torch.manual_seed(0)
     hf = model_class(config).float()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                param.uniform_(-1.0, 1.0)
             if "q_proj" in name or "k_proj" in name:
                 param.mul_(4.0)
     hf.save_pretrained(directory)
@@ -64,6 +73,10 @@ CASES = [  # (family, the checkpoint's rope, our override of it, tied embeddings
     pytest.param("qwen3", YARN, None, False, 32, id="qwen3-yarn-head_dim-apart"),       # 4 x 32 != 64 wide
     pytest.param("qwen3", None, YARN, True, 16, id="qwen3-tied-yarn-override"),
     pytest.param("llama", None, YARN, False, 16, id="llama-yarn-override"),
+    pytest.param("llama", LLAMA3, None, True, 16, id="llama3.2-tied-llama3-rope"),
+    pytest.param("qwen2", YARN, None, False, 16, id="qwen2-bias-yarn"),
+    pytest.param("qwen2", None, YARN, True, 16, id="qwen2-bias-tied-yarn-override"),
+    pytest.param("mistral", None, YARN, False, 16, id="mistral-yarn-override"),
 ]
 
 
@@ -142,12 +155,42 @@ def test_a_window_present_but_switched_off_is_not_refused():
     assert DecoderConfig.from_dict(values).family == "qwen3"
 
 
+def test_qwen2_5_and_mistral_v0_3_configs_load_and_a_mistral_window_by_default_is_refused():
+    """Qwen2.5-7B's config.json keeps a window it switches off; Mistral v0.3's writes sliding_window null, and
+    MistralConfig's default window (4096, v0.1's) applies to a config.json that leaves the key out."""
+    qwen2_5 = hf_config_values("qwen2", sliding_window=131072, use_sliding_window=False, max_window_layers=28,
+                               rope_theta=1000000.0, max_position_embeddings=32768)
+    assert DecoderConfig.from_dict(qwen2_5).family == "qwen2"
+    mistral = hf_config_values("mistral", sliding_window=None)
+    assert DecoderConfig.from_dict(mistral).family == "mistral"
+    del mistral["sliding_window"]
+    with pytest.raises(ValueError, match=r"windowed \(sliding_window=4096\)"):
+        DecoderConfig.from_dict(mistral)
+
+
+def test_a_missing_bias_or_an_untied_head_changes_the_logits_visibly(tmp_path):
+    """Qwen2's q/k/v biases and a tied head are read: without them the logits are far from transformers'."""
+    hf = save_hf(tmp_path, "qwen2", tied=True, head_dim=16)
+    ids, _ = inputs()
+    with torch.no_grad():
+        reference = hf(ids).logits
+        ours = CausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert (our_logits(ours, ids) - reference).abs().max() <= 1e-5
+        no_bias = CausalLM.from_config(DecoderConfig(**{**vars(ours.config), "family": "llama"}))
+        no_bias.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.endswith("bias")})
+        untied = CausalLM.from_config(DecoderConfig(**{**vars(ours.config), "tie_word_embeddings": False}))
+        untied.load_state_dict({k: v for k, v in ours.state_dict().items() if k != "lm_head.weight"}, strict=False)
+        for changed in (no_bias, untied):
+            difference = (our_logits(changed, ids) - reference).norm() / reference.norm()
+            assert difference > 0.05
+
+
 def test_an_unknown_family_or_an_option_not_built_is_refused():
     with pytest.raises(ValueError, match=r"model_type='phi3', which is not a model family built here: llama"):
         DecoderConfig.from_dict({"model_type": "phi3"})
     with pytest.raises(ValueError, match=r"attention_bias=True is not supported for qwen3"):
         DecoderConfig.from_dict(hf_config_values("qwen3", attention_bias=True))
-    with pytest.raises(ValueError, match=r"model family 'qwen9' is not one of llama, qwen3"):
+    with pytest.raises(ValueError, match=r"model family 'qwen9' is not one of llama, mistral, qwen2, qwen3"):
         DecoderConfig(family="qwen9")
 
 
@@ -176,7 +219,7 @@ def test_a_family_the_settings_name_but_nobody_built_is_one_line():
     from conf.validate import ConfigError
     from trainer.architecture import architecture
     cfg = job_config(Path("/nonexistent"), "model.family=qwen9")
-    with pytest.raises(ConfigError, match=r"^model.family='qwen9': model family 'qwen9' is not one of llama, qwen3"):
+    with pytest.raises(ConfigError, match=r"^model.family='qwen9': model family 'qwen9' is not one of llama, "):
         architecture(cfg.model)
 
 
@@ -199,6 +242,20 @@ def test_a_family_defined_in_one_place_trains_through_the_trainer(tmp_path, test
     weights = load_file(tmp_path / "straight" / "checkpoints" / "step-4" / "model.safetensors")
     assert "model.layers.0.self_attn.q_norm.weight" in weights
     assert not torch.equal(weights["model.layers.0.self_attn.q_norm.weight"], torch.ones(16))
+    train(job_config(tmp_path / "resumed", *overrides[:-2], "max_steps=2", "checkpoint.every_steps=2"))
+    train(job_config(tmp_path / "resumed", *overrides))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+def test_qwen2_trains_its_biases_and_resumes_through_the_trainer(tmp_path):
+    """model.family=qwen2 (random init, full fine-tuning): the q/k/v biases train from zero, are checkpointed,
+    and a resumed run takes the straight run's losses."""
+    overrides = ["model.family=qwen2", "max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+    train(job_config(tmp_path / "straight", *overrides))
+    from safetensors.torch import load_file
+    weights = load_file(tmp_path / "straight" / "checkpoints" / "step-4" / "model.safetensors")
+    assert weights["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
+    assert "model.layers.0.self_attn.o_proj.bias" not in weights
     train(job_config(tmp_path / "resumed", *overrides[:-2], "max_steps=2", "checkpoint.every_steps=2"))
     train(job_config(tmp_path / "resumed", *overrides))
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")

@@ -103,6 +103,18 @@ def test_packed_documents_match_reference(causal, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_group_of_seven_query_heads_per_kv_head_matches_reference(packed):
+    """Qwen2.5-7B's grouping (28 query over 4 KV heads: 7 a group, not a power of two), here 14 over 2: the dK/dV
+    kernel sums the seven heads of its group, forward and backward, with packed documents too."""
+    generator = torch.Generator().manual_seed(7)
+    torch.manual_seed(7 + packed)
+    batch, seqlen = 2, 37
+    cu_seqlens = _random_cu_seqlens(batch * seqlen, generator) if packed else None
+    _check_against_reference(*_inputs(batch, seqlen, 14, 2, 64, torch.float32), True, cu_seqlens)
+
+
+@interpreted
 def test_all_length_one_documents():
     torch.manual_seed(5)
     q, k, v = _inputs(1, 33, 2, 1, 64, torch.float32)

@@ -31,7 +31,8 @@ from kernels import reference
 from kernels.reference import FP8_DTYPE, FP8_MAX
 from conf.schema.memory import MemoryConfig
 from model import CausalLM, DecoderConfig
-from model.fp8 import Fp8Linear, SharedQuantizedInput, check_fp8_widths, quantize_frozen_base
+from model.family import projection_shapes
+from model.fp8 import Fp8Linear, SharedQuantizedInput, check_fp8_widths, fp8_weight_count, quantize_frozen_base
 from model.hf_checkpoint import full_weights
 from offload.byte_model import Capacity, parameter_counts
 from offload.plan import plan_memory
@@ -376,8 +377,39 @@ def test_fp8_linear_state_dict_holds_the_dequantized_weight_and_loading_requanti
     assert torch.equal(layer.weight_fp8.float(), q.float()) and torch.equal(layer.weight_scale, scale)
     with pytest.raises(RuntimeError, match="Missing key"):
         layer.load_state_dict({})
-    with pytest.raises(ValueError, match="bias"):
-        Fp8Linear(torch.nn.Linear(4, 4))
+
+
+def test_fp8_linear_adds_its_bias_after_the_product_in_the_output_dtype():
+    """Qwen2's q/k/v bias: the quantized product plus the bias (cast to the output dtype: autocast's bf16 on the
+    CPU), the same input gradient as without it (the bias is frozen), and `bias` in the state dict."""
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(48, 32).requires_grad_(False)
+    with torch.no_grad():
+        linear.bias.uniform_(-1.0, 1.0)
+    layer = Fp8Linear(linear)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    x_q, x_scale = reference.quantize_rows(x.detach().view(-1, 48))
+    product = reference.scaled_matmul(x_q, x_scale, layer.weight_fp8, layer.weight_scale, torch.float32)
+    y = layer(x)
+    assert torch.equal(y, (product + linear.bias).view(2, 5, 32))
+    assert relative_error(y, linear(x)) < FP8_PRODUCT_ERROR
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_bf16 = layer(x)
+    assert y_bf16.dtype == torch.bfloat16
+    assert torch.equal(y_bf16, (product.bfloat16() + linear.bias.bfloat16()).view(2, 5, 32))
+    grad = torch.randn(2, 5, 32)
+    y.backward(grad)
+    unbiased, _ = fp8_linear()
+    unbiased.set_weight(linear.weight)
+    x_plain = x.detach().clone().requires_grad_()
+    unbiased(x_plain).backward(grad)
+    assert torch.equal(x.grad, x_plain.grad) and linear.bias.grad is None
+    state = layer.state_dict()
+    assert list(state) == ["weight", "bias"] and torch.equal(state["bias"], linear.bias)
+    layer.load_state_dict({"weight": state["weight"], "bias": torch.zeros(32)})
+    assert torch.equal(layer.bias, torch.zeros(32))
+    with pytest.raises(RuntimeError, match="Missing key.*bias"):
+        layer.load_state_dict({"weight": state["weight"]})
 
 
 # --- 4. the shared quantized input ---
@@ -560,6 +592,49 @@ def test_the_memory_policy_keeps_the_fp8_model_s_loss_and_gradients(fp8_and_bf16
             assert relative_error(grads_policy[name], grad) < 1e-6, name
         else:
             assert torch.equal(grads_policy[name], grad), name
+
+
+def test_a_qwen2_lora_base_in_fp8_keeps_its_biases_under_the_adapters():
+    """peft's LoRA wrapper holds the projection as base_layer; FP8 replaces it keeping the q/k/v bias (frozen, in
+    its dtype): the loss stays near the unquantized model's, and without the biases it would not."""
+    torch.manual_seed(9)
+    base = CausalLM.from_config(dict(family="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with torch.no_grad():
+        for name, parameter in base.named_parameters():
+            if name.endswith("bias"):
+                parameter.uniform_(-2.0, 2.0)
+    model = lora_model(base, LORA)
+    unquantized = copy.deepcopy(model)
+    assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
+    attention = model.base_model.model.model.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        fp8 = getattr(attention, name).base_layer
+        assert isinstance(fp8, Fp8Linear) and fp8.bias is not None and not fp8.bias.requires_grad
+    assert attention.o_proj.base_layer.bias is None
+    assert count_parameters(model) == count_parameters(unquantized)
+    loss, _ = loss_and_adapter_grads(model)
+    loss_ref, _ = loss_and_adapter_grads(unquantized)
+    assert abs(loss - loss_ref) / loss_ref < 1e-3
+    for layer in model.base_model.model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, name).base_layer.bias.data.zero_()
+    assert abs(loss_and_adapter_grads(model)[0] - loss_ref) / loss_ref > 1e-2
+
+
+def test_fp8_never_quantizes_a_tied_embedding():
+    """Llama 3.2 ties lm_head to the embedding: FP8 quantizes only the decoder projections, so the tied weight
+    stays one bf16 parameter that the embedding and the chunked cross-entropy both read."""
+    torch.manual_seed(9)
+    model = lora_model(CausalLM.from_config(dict(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 tie_word_embeddings=True), dtype=torch.bfloat16), LORA)
+    assert quantize_frozen_base(model) == 2 * len(PROJECTIONS)
+    llama = model.base_model.model
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+    assert llama.lm_head.weight.dtype == torch.bfloat16 and not llama.lm_head.weight.requires_grad
+    assert not any(isinstance(module, Fp8Linear) for module in (llama.lm_head, llama.model.embed_tokens))
+    assert fp8_weight_count(model) == 2 * sum(i * o for i, o in projection_shapes(llama.config).values())
 
 
 # --- 6. refusals ---

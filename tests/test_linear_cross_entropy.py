@@ -201,3 +201,26 @@ def test_autocast_runs_the_matmuls_in_its_dtype_and_returns_input_dtype_gradient
     assert ours[1].dtype == ours[2].dtype == torch.float32
     for out, ref in zip(ours, expected):
         assert relative_error(out, ref) < 1e-2
+
+
+def test_a_tied_head_s_gradient_reaches_the_one_shared_embedding(poisoned_empty):  # noqa: F811
+    """Llama 3.2 ties lm_head to the embedding: the chunked kernel reads that one parameter as the head, and its
+    weight gradient adds to the embedding's lookup gradient on it, as the fp32 reference's does."""
+    from model import CausalLM, DecoderConfig
+    config = DecoderConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = CausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, dims=1)
+    expected = reference.linear_cross_entropy(model(ids).reshape(-1, 32), model.lm_head.weight, labels.reshape(-1))
+    expected.backward()
+    expected_grad, model.model.embed_tokens.weight.grad = model.model.embed_tokens.weight.grad, None
+    loss = linear_cross_entropy(model(ids).reshape(-1, 32), model.lm_head.weight, labels.reshape(-1))
+    loss.backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert relative_error(loss, expected) < 1e-5 and relative_error(grad, expected_grad) < 1e-5
+    head_only = torch.zeros_like(grad)
+    head_only[ids.unique()] = 1
+    assert (grad * (1 - head_only)).abs().max() > 0      # rows never looked up get the head's gradient too

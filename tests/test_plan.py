@@ -46,6 +46,22 @@ def test_parameter_counts_of_llama3_8b():
     assert lora == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * (4096 + 14336))
 
 
+@pytest.mark.parametrize("group, published", [("qwen2_5_7b", 7_615_616_512), ("llama3_2_3b", 3_212_749_824),
+                                               ("llama3_2_1b", 1_235_814_400), ("mistral_7b", 7_248_023_552)])
+def test_parameter_counts_of_the_family_groups_are_their_checkpoints_and_our_models(group, published):
+    """Qwen2.5's q/k/v biases and Llama 3.2's one tied embedding are counted: the published sizes, and the
+    parameters of the model built (on the meta device)."""
+    from omegaconf import OmegaConf
+
+    from conf.schema.model import ModelConfig
+    from model import CausalLM
+    from trainer.architecture import architecture, group_values
+    arch = architecture(OmegaConf.merge(OmegaConf.structured(ModelConfig), group_values(group)))
+    with torch.device("meta"):
+        built = sum(param.numel() for param in CausalLM(arch).parameters())
+    assert parameter_counts(arch, SimpleNamespace(mode="full"))[0] == built == published
+
+
 def test_pinned_buffers_round_to_powers_of_two():
     assert pinned_size(GIB) == GIB and pinned_size(GIB + 1) == 2 * GIB
 
@@ -576,6 +592,21 @@ def test_a_sequence_parallel_rank_plans_its_slice_its_exchange_and_its_share_of_
     # A full layer keeps the attention output twice: in the exchanged layout and as o_proj's input.
     assert (full_layer_bytes(rank.shape, LORA, True, sequence_parallel=2)
             - full_layer_bytes(rank.shape, LORA, True)) == 131072 * 4096 * 2
+
+
+def test_padded_query_heads_are_planned_in_the_exchange_and_the_saved_attention():
+    """Qwen2.5-7B over 8 ranks: the 28 query heads run as 32 (conf.schema.parallel.padded_query_heads); the
+    exchange holds q and the output 32 heads wide, k and v repeated to 8; a full layer's attention keeps q and
+    its output 32 heads wide with fp32 statistics for each."""
+    from offload.byte_model import Shape, sequence_exchange_bytes
+    qwen2_5 = DecoderConfig(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
+    shape = Shape(qwen2_5, 4096, 2)
+    assert sequence_exchange_bytes(shape, 8) == 4096 * (32 + 2 * 8 + 32) * 128 * 2
+    assert sequence_exchange_bytes(shape, 4) == 4096 * (28 + 2 * 4 + 28) * 128 * 2      # 4 divides 28
+    grown = full_layer_bytes(shape, LORA, True, sequence_parallel=8) - full_layer_bytes(shape, LORA, True)
+    repeated_kv, padded_q, o_proj_input = 2 * (8 - 4) * 128 * 2, 2 * (32 - 28) * 128 * 2 + 4 * 4, 28 * 128 * 2
+    assert grown == 4096 * (repeated_kv + padded_q + o_proj_input)
 
 
 def test_full_fine_tuning_over_several_processes_plans_fp32_state_only():

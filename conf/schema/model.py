@@ -13,9 +13,9 @@ MISSING = "???"     # omegaconf.MISSING, spelled out so this module needs no ome
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    # The model family (model/families/: llama, qwen3; checked by trainer.architecture, as conf imports no
-    # model code; "llama" is model.families.DEFAULT_FAMILY), which the model group names. With `path` the
-    # checkpoint's config.json decides, like the shape below.
+    # The model family (model/families/: llama, qwen2, qwen3, mistral; checked by trainer.architecture, as conf
+    # imports no model code; "llama" is model.families.DEFAULT_FAMILY), which the model group names. With `path`
+    # the checkpoint's config.json decides, like the shape below.
     family: str = "llama"
     # Local Hugging Face checkpoint directory; None trains from random init (benchmarks, demos).
     path: Optional[str] = None

@@ -23,9 +23,20 @@ class ParallelConfig:
 
 
 def heads_split(q_heads: int, kv_heads: int, degree: int) -> bool:
-    """Whether Ulysses can shard these heads over `degree` ranks: the query heads evenly, the KV heads
-    evenly or repeated evenly (kernels.attention.sequence_parallel)."""
-    return q_heads % degree == 0 and (kv_heads % degree == 0 or degree % kv_heads == 0)
+    """Whether Ulysses can shard these heads over `degree` ranks: the KV heads evenly or repeated evenly
+    (kernels.attention.sequence_parallel); query heads the degree does not divide are padded
+    (padded_query_heads)."""
+    return kv_heads % degree == 0 or degree % kv_heads == 0
+
+
+def padded_query_heads(q_heads: int, kv_heads: int, degree: int) -> int:
+    """The query heads Ulysses shards over `degree` ranks (KV heads that split or repeat evenly, heads_split):
+    `q_heads` where the degree divides them, else each KV head's group of query heads padded with zero heads
+    up to a multiple of the ranks that share its KV head, so that every rank's query heads read one KV head.
+    Qwen2.5-7B over 8 ranks: 4 KV heads, each repeated on 2 ranks, groups of 7 padded to 8, 32 heads, 4 a rank."""
+    ranks_per_kv_head = max(1, degree // kv_heads)
+    group = q_heads // kv_heads
+    return kv_heads * -(-group // ranks_per_kv_head) * ranks_per_kv_head
 
 
 def world_size() -> int:
@@ -50,5 +61,5 @@ def check_parallel(cfg) -> None:
                           f"bytes per parameter on each GPU), or train=lora")
     heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
     if not heads_split(heads, kv_heads, degree):
-        raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide the model's "
-                          f"{heads} query heads, and divide or be a multiple of its {kv_heads} KV heads")
+        raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide or be a multiple of "
+                          f"the model's {kv_heads} KV heads (its {heads} query heads are padded to a multiple)")

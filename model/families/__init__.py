@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from model.families.llama import LLAMA
+from model.families.mistral import MISTRAL
+from model.families.qwen2 import QWEN2
 from model.families.qwen3 import QWEN3
 from model.family import ModelFamily
 
@@ -44,5 +46,5 @@ def family_of_config(values: Mapping[str, Any]) -> ModelFamily:
     raise ValueError(f"it describes {described}, which is not a model family built here: {known}")
 
 
-for _family in (LLAMA, QWEN3):
+for _family in (LLAMA, QWEN2, QWEN3, MISTRAL):
     register_family(_family)
