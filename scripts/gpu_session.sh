@@ -84,7 +84,21 @@ families() { rm -rf /tmp/families_tree /tmp/families.jsonl; cp -r "$PWD" /tmp/fa
   run --seq-len 131072 --steps 2 model=qwen3_8b
   run --seq-len 131072 --steps 2 model=qwen3_8b train.fp8=true
   run --seq-len 131072 --steps 2 --peer model=qwen3_8b; }
-export -f recall_job recall_curve fp8_quality families
+# Issue 46's figures in one background job, from a copy of the tree: Mistral-7B at 32k (ours, the peer),
+# Qwen2.5-7B at 32k profiled (its q/k/v biases' share of the step) and with train.fp8 (a bias on FP8 projections),
+# then LoRA at 131k, ours and the peer, for Llama-3.2-3B and Qwen2.5-7B. One JSON line a run in $OUT/families.jsonl
+# after `poll`.
+families46() { rm -rf /tmp/families_tree /tmp/families.jsonl; cp -r "$PWD" /tmp/families_tree; cd /tmp/families_tree
+  run() { python3 scripts/bench_train.py "$@" >> /tmp/families.jsonl 2>> /tmp/families.err; }
+  run --seq-len 32768 --steps 3 model=mistral_7b
+  run --seq-len 32768 --steps 3 --peer model=mistral_7b
+  run --seq-len 32768 --steps 3 --profile model=qwen2_5_7b
+  run --seq-len 32768 --steps 3 model=qwen2_5_7b train.fp8=true
+  run --seq-len 131072 --steps 2 model=llama3_2_3b
+  run --seq-len 131072 --steps 2 --peer model=llama3_2_3b
+  run --seq-len 131072 --steps 2 model=qwen2_5_7b
+  run --seq-len 131072 --steps 2 --peer model=qwen2_5_7b; }
+export -f recall_job recall_curve fp8_quality families families46
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -137,7 +151,7 @@ for step in "$@"; do
           tail -n 4 /tmp/long_steps.err; cut -c1-600 /tmp/long_steps.jsonl; fi
         if [ -f /tmp/recall_curve.done ]; then collect_recall_job recall_curve recall_runs
           grep -v '^{' /tmp/recall_curve.out | tail -8; fi
-        if [ -f /tmp/families.started ]; then cp /tmp/families.jsonl /tmp/families.err $OUT/ 2>/dev/null
+        if [ -f /tmp/families.started ] || [ -f /tmp/families46.started ]; then cp /tmp/families.jsonl /tmp/families.err $OUT/ 2>/dev/null
           python3 -c "import json; [print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','peak_gpu_allocated_gib','overrides')}) for r in map(json.loads, open('/tmp/families.jsonl'))]"; fi
         if [ -f /tmp/fp8_quality.done ]; then collect_recall_job fp8_quality fp8_runs
           grep -v '^{' /tmp/fp8_quality.out | tail -8; fi ;;
@@ -171,6 +185,7 @@ for step in "$@"; do
     # Issue 41's FP8 quality gate (fp8_quality above), longer than a call: then `poll`.
     fp8_quality_bg) background fp8_quality fp8_quality ;;
     families_bg) background families families ;;
+    families46_bg) background families46 families46 ;;
     *) echo "unknown step $step" ;;
   esac
 done

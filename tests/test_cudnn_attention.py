@@ -45,7 +45,8 @@ def _inputs(seqlen, q_heads=32, kv_heads=8, head_dim=128, seed=0):
 
 
 @pytest.mark.parametrize("seqlen, q_heads, kv_heads, head_dim, causal", [
-    (4096, 32, 8, 128, True), (1000, 8, 2, 64, True), (777, 4, 4, 128, False)])
+    (4096, 32, 8, 128, True), (1000, 8, 2, 64, True), (777, 4, 4, 128, False),
+    (2048, 28, 4, 128, True), (1500, 24, 8, 128, True)])   # groups of seven (Qwen2.5-7B) and three (Llama-3.2-3B)
 def test_matches_the_fp32_reference(seqlen, q_heads, kv_heads, head_dim, causal):
     q, k, v = _inputs(seqlen, q_heads, kv_heads, head_dim)
     out = attention(q, k, v, CUDNN, causal=causal)

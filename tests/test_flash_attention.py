@@ -449,6 +449,9 @@ def test_gpu_deterministic():
     (2, 2048, 4, 2, 128, True, torch.bfloat16, True, 1),
     (2, 1000, 8, 4, 128, True, torch.bfloat16, False, 4),      # four calls over groups of KV heads
     (1, 1001, 4, 2, 128, False, torch.bfloat16, True, 1),      # query tiles from any document start, odd length
+    (1, 2000, 28, 4, 128, True, torch.bfloat16, False, 1),     # Qwen2.5-7B's heads: groups of seven
+    (2, 1000, 14, 2, 128, True, torch.bfloat16, True, 1),      # groups of seven over packed documents
+    (1, 1500, 24, 8, 128, True, torch.bfloat16, False, 1),     # Llama-3.2-3B's heads: groups of three
 ])
 def test_gpu_hopper_backward_matches_the_reference(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim, causal,
                                                    dtype, packed, groups):
@@ -561,6 +564,8 @@ def test_gpu_compiled_code_is_the_architectures():
     (1, 12000, 8, 2, 128, True, torch.bfloat16, True, "contiguous"),
     (2, 999, 4, 2, 128, True, torch.bfloat16, False, "heads apart"),    # slices of wider tensors (fused QKV)
     (3, 777, 4, 2, 128, False, torch.bfloat16, False, "rows apart"),    # one launch per batch row
+    (1, 2000, 28, 4, 128, True, torch.bfloat16, True, "contiguous"),    # groups of seven (Qwen2.5-7B)
+    (1, 1500, 24, 8, 128, True, torch.bfloat16, False, "contiguous"),   # groups of three (Llama-3.2-3B)
 ])
 def test_gpu_hopper_forward_matches_the_triton_forward(monkeypatch, batch, seqlen, q_heads, kv_heads, head_dim,
                                                        causal, dtype, packed, layout):
