@@ -14,16 +14,18 @@ from kernels import _row_norm
 
 
 @triton.jit
-def _rms_norm_forward_kernel(x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, n_cols, eps,
-                             BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_forward_kernel(x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -31,8 +33,9 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     launch = _row_norm.forward_launch("rms_norm", x, num_warps)
     n_rows, hidden = launch.x_rows.shape
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    _rms_norm_forward_kernel[(n_rows,)](launch.x_rows, launch.x_rows.stride(0), weight, launch.y, rstd, hidden,
-                                        eps, BLOCK_H=launch.block, num_warps=launch.num_warps)
+    _rms_norm_forward_kernel[(launch.programs,)](launch.x_rows, launch.x_rows.stride(0), weight, launch.y, rstd, n_rows,
+                                                 hidden, eps, BLOCK_R=launch.tile.block_r, BLOCK_H=launch.tile.block_h,
+                                                 num_warps=launch.tile.num_warps)
     return launch.y.view(x.shape), rstd
 
 

@@ -49,7 +49,8 @@ H100 = GPUTarget("cuda", 90, 32)
 ATTENTION_POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DOC_START": "*i32", "DOC_END": "*i32", "DQ_ACC": "*fp32"}
 ATTENTION_SCALARS = {"qk_scale_log2": "fp32", "sm_scale": "fp32"}
 ATTENTION_SHAPE = {"GROUP": 4, "HEAD_DIM": 128, "CAUSAL": True}   # Llama-3 8B
-NORM_BLOCK, NORM_WARPS = _row_norm.row_config(4096, None)
+NORM_TILE = _row_norm.row_config(4096, None)   # one row of a wide hidden size
+HEAD_NORM_TILE = _row_norm.row_config(128, None)   # QK-norm's tiles of rows of one head
 
 
 def _attention(fn, configs, all_configs: bool):
@@ -97,7 +98,8 @@ def compile_jobs(all_configs: bool) -> list[tuple]:
 
 
 def _jobs(all_configs: bool) -> list[tuple]:
-    norm_backward = dict(BLOCK_H=NORM_BLOCK, CENTERED=True, COMPUTE_DX=True, COMPUTE_DW=True, COMPUTE_DB=True)
+    norm_backward = dict(BLOCK_R=NORM_TILE.block_r, BLOCK_H=NORM_TILE.block_h, CENTERED=True, COMPUTE_DX=True,
+                         COMPUTE_DW=True, COMPUTE_DB=True)
     stats = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "db_partial_ptr": "*fp32"}
     return [
         *_attention(fa_kernels._attn_fwd_kernel, fa._FWD_CONFIGS, all_configs),
@@ -106,11 +108,16 @@ def _jobs(all_configs: bool) -> list[tuple]:
         *_hopper_forward(all_configs),
         *_hopper_backward(all_configs),
         (fa_kernels._attn_bwd_delta_kernel, {"HEAD_DIM": 128, "BLOCK_M": 128}, {}, ATTENTION_POINTERS, {}),
-        (rms_norm._rms_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK}, {"num_warps": NORM_WARPS}, stats,
+        *[(rms_norm._rms_norm_forward_kernel, {"BLOCK_R": tile.block_r, "BLOCK_H": tile.block_h},
+           {"num_warps": tile.num_warps}, stats, {"eps": "fp32"}) for tile in (NORM_TILE, HEAD_NORM_TILE)],
+        (layer_norm._layer_norm_forward_kernel, {"BLOCK_R": NORM_TILE.block_r, "BLOCK_H": NORM_TILE.block_h,
+                                                 "HAS_BIAS": True}, {"num_warps": NORM_TILE.num_warps}, stats,
          {"eps": "fp32"}),
-        (layer_norm._layer_norm_forward_kernel, {"BLOCK_H": NORM_BLOCK, "HAS_BIAS": True},
-         {"num_warps": NORM_WARPS}, stats, {"eps": "fp32"}),
-        (_row_norm._row_norm_backward_kernel, norm_backward, {"num_warps": NORM_WARPS}, stats, {}),
+        (_row_norm._row_norm_backward_kernel, norm_backward, {"num_warps": NORM_TILE.num_warps}, stats, {}),
+        (_row_norm._row_norm_backward_kernel,
+         norm_backward | {"BLOCK_R": HEAD_NORM_TILE.block_r, "BLOCK_H": HEAD_NORM_TILE.block_h, "CENTERED": False,
+                          "COMPUTE_DW": False, "COMPUTE_DB": False},
+         {"num_warps": HEAD_NORM_TILE.num_warps}, stats, {}),
         (linear_cross_entropy._cross_entropy_rows_kernel,
          {"BLOCK_V": linear_cross_entropy.BLOCK_V, "WRITE_GRAD": True}, {"num_warps": linear_cross_entropy.NUM_WARPS},
          {"targets_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32"}, {}),

@@ -39,6 +39,12 @@ def test_rms_norm_bf16_real_shape():
     check_norm(rms_norm, reference.rms_norm, 65536, 4096, with_bias=False)
 
 
+def test_rms_norm_bf16_rows_of_one_head():
+    """QK-norm's rows (Qwen3-8B's 32 query heads of 128 at 8k tokens, plus a tail that fills no tile)."""
+    from kernels.rms_norm_triton import rms_norm
+    check_norm(rms_norm, reference.rms_norm, 8192 * 32 + 5, 128, with_bias=False)
+
+
 def test_layer_norm_bf16_real_shape():
     from kernels.layer_norm_triton import layer_norm
     check_norm(lambda x, w, b, eps: layer_norm(x, w, b, eps),

@@ -104,6 +104,26 @@ def test_only_the_needed_gradients(frozen):
             assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("weight_trained", [False, True])
+def test_rows_of_one_head_go_many_to_a_program(weight_trained):
+    """QK-norm's rows (head_dim 128 of every head, here 3 x 37 x 5 = 555: no multiple of the tile's rows): tiles
+    of several rows in the forward and in both backwards, one tile a program when the weight is frozen (LoRA),
+    ranges of tiles summing dweight when it trains."""
+    assert _row_norm.row_config(128, None).block_r > 1
+    torch.manual_seed(6)
+    x = torch.randn(3, 37, 5, 128, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(128)).requires_grad_(weight_trained)
+    dy = torch.randn_like(x)
+    inputs = [t for t in (x, w) if t.requires_grad]
+    ours = (rms_norm(x, w, EPS), *torch.autograd.grad(rms_norm(x, w, EPS), inputs, dy))
+    ref_inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, w)]
+    y_ref = reference.rms_norm(*ref_inputs, EPS)
+    expected = (y_ref, *torch.autograd.grad(y_ref, [t for t in ref_inputs if t.requires_grad], dy))
+    assert len(ours) == 2 + weight_trained
+    for out, ref in zip(ours, expected):
+        assert relative_error(out, ref) < 1e-5
+
+
 def test_backward_grid_splits_rows_into_ranges():
     """More rows than backward programs: every program sums a range of rows into its partial."""
     programs, rows_per_program = _row_norm.backward_grid(203, torch.device("cpu"),
