@@ -6,7 +6,6 @@ import logging
 import math
 import subprocess
 import sys
-
 from types import SimpleNamespace
 
 import pytest
