@@ -7,7 +7,8 @@
 Overrides are the trainer's Hydra overrides (default model=llama3_8b train=lora, random init, bf16 base).
 Each length runs in its own process so peak host memory (VmHWM) belongs to that length alone. The first
 step is a warm-up (Triton compilation, allocator growth) unless --steps 1; pinned buffers are allocated
-before it and timed apart. Reports tokens/s over the timed steps, MFU (6·N·T + 6·L·d·T² over the peak),
+before it and timed apart. Reports tokens/s over the timed steps, MFU and the measured-ceiling figure
+(trainer.metrics.step_flops over the GPU's peaks; docs/JOBS.md, "Metrics"),
 peak GPU memory (allocated and reserved), peak host RSS and the planner's predictions. --eval then runs
 trainer.evaluate's forward-only evaluation of the same sequence as many times (the first a warm-up too) and
 reports its times beside the step's, its GPU peak and the planner's eval_peak.
@@ -21,7 +22,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from trainer.allocator import cap_gpu_memory, gpu_memory_cap, prefer_expandable_segments
 
@@ -186,9 +186,8 @@ def main() -> None:
     if args.eval and args.peer:
         parser.error("--eval times our evaluation: not with --peer")
 
-    from offload.byte_model import parameter_counts
     from scripts.step_profile import device_kernels, kind_table, time_by_kind
-    from trainer.metrics import step_flops
+    from trainer.metrics import flop_peaks, mfu_metrics, step_flops
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -218,11 +217,11 @@ def main() -> None:
         print(kind_table(by_kind, times[-1] * 1e3), file=sys.stderr)
     timed = times[1:] if len(times) > 1 else times
     seconds = statistics.median(timed)
-    total_params, _ = parameter_counts(arch, SimpleNamespace(mode="full"))
-    flops = step_flops(total_params, arch.num_hidden_layers, arch.hidden_size, args.seq_len, 1)
+    mfu = mfu_metrics(step_flops(arch, cfg.train, args.seq_len, 1), seconds,
+                      flop_peaks(torch.cuda.get_device_name(), cfg.logger.peak_tflops))
     result = {**info, "seq_len": args.seq_len, "device": torch.cuda.get_device_name(),
               "step_s": times, "warmup_skipped": len(times) == 1, "tokens_per_s": args.seq_len / seconds,
-              "mfu": flops / seconds / 795e12, "loss": losses,
+              **mfu, "loss": losses,
               "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
               "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
               "peak_host_gib": peak_host_gib(), "offload": copy, "profile_ms_by_kind": by_kind,

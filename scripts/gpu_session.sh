@@ -45,7 +45,7 @@ gpu_tests() { local name=$1 limit=$2; shift 2
   TRITON_INTERPRET=0 timeout ${TESTS_TIMEOUT:-$limit} python3 -m pytest -v --tb=short "$@" 2>&1 | tee $OUT/$name.log |
     grep -E "FAILED|ERROR|passed|failed"; }
 bench() { python3 scripts/bench_train.py "$@" ${BENCH_OVERRIDES:-} 2>>$OUT/bench_train.err | tee -a $OUT/bench_train.jsonl |
-          python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
+          python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','mfu','mfu_measured_ceiling','loss','peak_gpu_allocated_gib','overrides')}, r.get('plan'))"; }
 # A job longer than a call: under setsid its process session outlives the call; /tmp/NAME.done marks its end
 # and holds its exit status.
 background() { local name=$1; shift; rm -f /tmp/$name.done; touch /tmp/$name.started

@@ -58,6 +58,7 @@ def test_types_are_checked():
     ("memory.gpu_layers=-1", "memory.gpu_layers=-1 must be at least 0"),
     ("max_bad_steps=0", "max_bad_steps=0 must be at least 1"),
     ("optim.grad_accum_steps=0", "optim.grad_accum_steps=0 must be at least 1"),
+    ("logger.peak_tflops=0", "logger.peak_tflops=0.0 must be positive .* or null for its datasheet peak"),
 ])
 def test_invalid_combinations_name_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -138,6 +138,8 @@ def step_line(record: dict, max_steps: int) -> str:
         loss = "update skipped: loss or gradients NaN/Inf"
     accuracy = "" if record.get("accuracy") is None else f" acc {record['accuracy']:.3f}"
     mfu = "" if record.get("mfu") is None else f" mfu {100 * record['mfu']:.1f}%"
+    if record.get("mfu_measured_ceiling") is not None:
+        mfu += f" (measured ceiling {100 * record['mfu_measured_ceiling']:.1f}%)"
     return (f"step {record['step']}/{max_steps} {loss}{accuracy} lr {record['lr']:.2e} "
             f"tok/s {record['tokens_per_s']:.0f}{mfu} {memory_text(record)}")
 

@@ -43,8 +43,8 @@ from trainer.console import ProgressBar, RunLog, end_summary, logging_to_run_dir
 from trainer.distributed import World, close_world, init_world, local_rank, rank_device, ranks_per_host
 from trainer.evaluate import Evaluator, build_evaluator, check_passkey, eval_line, evaluate_at_start
 from trainer.guard import BadStepCounter
-from trainer.metrics import (MetricsLog, memory_metrics, model_flops_utilization, reset_peak_memory, step_flops,
-                             wait_for_device)
+from trainer.metrics import (FlopPeaks, MetricsLog, flop_peaks, memory_metrics, mfu_metrics, reset_peak_memory,
+                             step_flops, wait_for_device)
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.run_dir import accept_run, create_run_dir, keep_random_base, one_writer
 from trainer.sharding import shard_model, sharding
@@ -124,6 +124,7 @@ class Job:
     checkpoints: CheckpointManager
     config_yaml: str
     step_flops: float
+    flop_peaks: FlopPeaks
     guard: BadStepCounter
     bar: ProgressBar
     metrics_log: MetricsLog | None     # rank 0 only, as wandb_run
@@ -191,12 +192,13 @@ def start_job(cfg, training: str, device: torch.device, plan: MemoryPlan, run_di
     world.on_main(lambda: accept_run(run_dir, run_log, config_yaml, overrides))
     world.on_main(lambda: tidy_checkpoints(checkpoints, loaded))
     wandb_run, metrics_log = open_records(cfg, run_dir, progress, loaded is not None, built, device, world)
-    flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run)
+    peaks = flop_peaks(torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.logger.peak_tflops)
+    flops = summarize_start(cfg, training, device, built, run_dir, world, loaded, progress, wandb_run, peaks)
     checkpoints.restart_interval(progress.step)
     # The loaded copy of the weights and optimizer state is freed when this returns, before training.
     job = Job(cfg=cfg, world=world, device=device, run_dir=run_dir, model=model, optimizer=optimizer,
               scheduler=scheduler, stream=stream, progress=progress, checkpoints=checkpoints,
-              config_yaml=config_yaml, step_flops=flops,
+              config_yaml=config_yaml, step_flops=flops, flop_peaks=peaks,
               guard=BadStepCounter(cfg.max_bad_steps, progress.skipped_steps),
               bar=ProgressBar(progress.step, cfg.max_steps, cfg.logger.progress_bar and world.is_main),
               metrics_log=metrics_log, wandb_run=wandb_run, last_checkpoint=loaded.path if loaded else None,
@@ -240,12 +242,12 @@ def open_records(cfg, run_dir: Path, progress: Progress, resumed: bool, built: B
 
 
 def summarize_start(cfg, training: str, device: torch.device, built: Built, run_dir: Path, world: World, loaded,
-                    progress: Progress, wandb_run) -> float:
+                    progress: Progress, wandb_run, peaks: FlopPeaks) -> float:
     """Show the startup summary; returns the FLOPs of one step (of all ranks), for the MFU."""
     model = built.model
     trainable, total = count_parameters(model)
     sequences = cfg.batch_size * cfg.optim.grad_accum_steps * world.data_parallel
-    flops = step_flops(total, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len, sequences)
+    flops = step_flops(model.config, cfg.train, cfg.seq_len, sequences)
     startup_summary({
         "model": f"{cfg.model.name} ({cfg.model.path or 'random init'}), train.mode={cfg.train.mode}, "
                  f"device={device}, kernels={kernels.get_backend()}{gpu_name(device)}",
@@ -255,6 +257,7 @@ def summarize_start(cfg, training: str, device: torch.device, built: Built, run_
         "training": training,
         "parameters": f"{trainable / 1e6:.2f}M trainable of {total / 1e6:.2f}M",
         "tokens/step": f"seq_len {cfg.seq_len} x {sequences} sequences = {cfg.seq_len * sequences}",
+        "MFU": mfu_summary(flops, peaks, device),
         "rope": context_summary(cfg),
         "run dir": str(run_dir),
         "start": (f"resumed from {loaded.path} at step {progress.step}/{cfg.max_steps}" if loaded else
@@ -263,6 +266,15 @@ def summarize_start(cfg, training: str, device: torch.device, built: Built, run_
         "W&B": cfg.logger.wandb.mode + (f", run {progress.wandb_run_id}" if wandb_run else ""),
     })
     return flops
+
+
+def mfu_summary(flops: float, peaks: FlopPeaks, device: torch.device) -> str:
+    """The step's model FLOPs and what its MFU figures divide by (the convention: docs/JOBS.md, "Metrics")."""
+    if peaks.datasheet is None:
+        why = "on a GPU with a datasheet peak (logger.peak_tflops gives one)" if device.type == "cuda" else "on a GPU"
+        return f"{flops:.3g} FLOPs a step; MFU only {why}"
+    measured = "" if peaks.measured is None else f", mfu_measured_ceiling over the measured {peaks.measured:.0f}"
+    return f"{flops:.3g} FLOPs a step; mfu over the peak {peaks.datasheet:.0f} TFLOP/s{measured}"
 
 
 def run_steps(job: Job, stop: StopSignals) -> dict:
@@ -315,7 +327,7 @@ def run_step(job: Job, step: int) -> tuple[bool, dict]:
         "loss": result.loss, "accuracy": result.accuracy, "lr": lr, "grad_norm": result.grad_norm,
         "applied": result.applied, "tokens_seen": progress.tokens_seen,
         "skipped_steps": job.guard.skipped, "tokens_per_s": result.tokens / step_time,
-        "mfu": model_flops_utilization(job.step_flops / world.size, step_time, device, cfg.logger.peak_tflops),
+        **mfu_metrics(job.step_flops / world.size, step_time, job.flop_peaks),
         "step_time_s": step_time, "data_wait_s": data_wait, **world.max(memory_metrics(device))}
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import psutil
 import torch
 
+from model.config import DecoderConfig
+from model.family import projection_shapes
+from offload.byte_model import parameter_counts
 from offload.units import GIB
 from storage.atomic import atomic_write_text
 
@@ -23,16 +27,62 @@ METRICS_FILE = "metrics.jsonl"
 MetricSource = Callable[[], dict]
 
 
-def step_flops(n_params: int, n_layers: int, hidden_size: int, seq_len: int, sequences: int) -> float:
-    """Training FLOPs of one step: 6·N·T for the weights plus 6·L·d·T² for causal attention, per sequence."""
-    return sequences * (6 * n_params * seq_len + 6 * n_layers * hidden_size * seq_len ** 2)
+# Dense bf16 tensor-core peaks (without sparsity) of NVIDIA's datasheets, TFLOP/s, by the memory.gpu preset
+# names (conf.schema.memory.GPU_PRESETS): `mfu`'s denominator. The SXM parts: the PCIe and NVL H100 and H200 have
+# lower peaks, which logger.peak_tflops gives (as it gives any other GPU's).
+DATASHEET_BF16_TFLOPS = {"a100_80gb": 312.0, "h100_80gb": 989.0, "h200": 989.0}
+# The dense bf16 matmul rate measured on the H100 80GB: the ceiling a step's products reach there in practice (its
+# clock falls under the 700 W limit), `mfu_measured_ceiling`'s denominator. Measured on no other GPU.
+MEASURED_MATMUL_TFLOPS = {"h100_80gb": 795.0}
+# The words of torch's device name ("NVIDIA H100 80GB HBM3") that pick each preset's peaks; a PCIe or NVL part's
+# name picks none.
+DEVICE_NAME_WORDS = {"A100": "a100_80gb", "H100": "h100_80gb", "H200": "h200"}
+OTHER_PEAK_WORDS = ("PCIe", "NVL")
 
 
-def model_flops_utilization(flops: float, seconds: float, device: torch.device, peak_tflops: float) -> float | None:
-    """Achieved / peak FLOP rate; None on CPU, where no meaningful peak is configured."""
-    if device.type != "cuda" or seconds <= 0:
-        return None
-    return flops / seconds / (peak_tflops * 1e12)
+@dataclass(frozen=True)
+class FlopPeaks:
+    """The two denominators of a GPU's MFU figures, TFLOP/s; None where not known (on CPU: neither)."""
+    datasheet: float | None = None
+    measured: float | None = None
+
+
+def flop_peaks(device_name: str | None, configured: float | None = None) -> FlopPeaks:
+    """The peaks of the GPU torch names `device_name` (None: the CPU, no MFU): its datasheet peak, or
+    `configured` (logger.peak_tflops) where given, and its measured matmul ceiling where one was measured."""
+    if device_name is None:
+        return FlopPeaks()
+    words = device_name.replace("-", " ").split()
+    preset = None if any(word in words for word in OTHER_PEAK_WORDS) else \
+        next((name for word, name in DEVICE_NAME_WORDS.items() if word in words), None)
+    return FlopPeaks(configured or DATASHEET_BF16_TFLOPS.get(preset), MEASURED_MATMUL_TFLOPS.get(preset))
+
+
+def step_flops(arch: DecoderConfig, train_cfg, seq_len: int, sequences: int) -> int:
+    """Model FLOPs of one training step, in the convention every MFU here is stated in ("non-embedding 6N,
+    causal attention at half the square"; docs/JOBS.md, "Metrics"). Per token, forward and backward:
+    - 6 × N, N the weights of the products a token passes through: each layer's seven projections at their
+      real widths (head_dim of its own, K and V at the KV heads' width) and the output projection, once, tied to
+      the input embedding or not; not the input embedding, a lookup. A LoRA run adds its adapters' weights and
+      still counts 6 for each frozen weight, whose weight gradient it does not compute: the model's FLOPs, as
+      full fine-tuning counts them, not the work done (4 a frozen weight, plus recomputation).
+    - 6 × layers × heads × head_dim × seq_len for attention: the forward's two products (2 FLOPs a
+      multiply-add) over the causal half of the seq_len² square, the backward's four; grouped KV heads change
+      none of it. Per sequence: a row of packed documents counts as one causal sequence of seq_len."""
+    matrix = arch.num_hidden_layers * sum(i * o for i, o in projection_shapes(arch).values())
+    matrix += arch.hidden_size * arch.vocab_size
+    if train_cfg.mode == "lora":
+        matrix += parameter_counts(arch, train_cfg)[1]
+    attention = arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * seq_len
+    return sequences * seq_len * (6 * matrix + 6 * attention)
+
+
+def mfu_metrics(flops: float, seconds: float, peaks: FlopPeaks) -> dict:
+    """`mfu`: achieved FLOP/s over the datasheet peak; `mfu_measured_ceiling`: over the measured matmul ceiling.
+    Each None where its peak is not known."""
+    def share(tflops):
+        return flops / seconds / (tflops * 1e12) if tflops and seconds > 0 else None
+    return {"mfu": share(peaks.datasheet), "mfu_measured_ceiling": share(peaks.measured)}
 
 
 def wait_for_device(device: torch.device) -> None:

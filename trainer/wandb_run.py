@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 SECTIONS = {"loss": "train", "accuracy": "train", "lr": "train", "grad_norm": "train", "tokens_seen": "train",
             "skipped_steps": "train", "applied": "train", "tokens_per_s": "perf", "mfu": "perf", "step_time_s": "perf",
             "data_wait_s": "perf", "host_rss_gib": "memory", "gpu_allocated_gib": "memory",
-            "gpu_reserved_gib": "memory", "gpu_peak_gib": "memory", "gpu_planned_peak_gib": "memory"}
+            "gpu_reserved_gib": "memory", "gpu_peak_gib": "memory", "gpu_planned_peak_gib": "memory",
+            "mfu_measured_ceiling": "perf"}
 NOT_LOGGED = ("step", "time")
 
 

@@ -44,8 +44,9 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    # Peak bf16 TFLOP/s of the accelerator, the MFU denominator (795 for an H100); no MFU on CPU.
-    peak_tflops: float = 795.0
+    # Peak bf16 TFLOP/s of the GPU, the MFU denominator. None: its datasheet dense peak (trainer.metrics:
+    # 989 for the H100 and H200 SXM, 312 for the A100); a GPU without one there records no MFU. None on CPU.
+    peak_tflops: Optional[float] = None
     # tqdm progress bar on an interactive terminal; log lines every `log_every` steps either way.
     progress_bar: bool = True
 
@@ -86,8 +87,9 @@ def check_job(cfg) -> None:
             raise ConfigError(f"checkpoint.{name}={cfg.checkpoint[name]} must be >= 0 (0 disables it)")
     if cfg.logger.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {WANDB_MODES}")
-    if cfg.logger.peak_tflops <= 0:
-        raise ConfigError(f"logger.peak_tflops={cfg.logger.peak_tflops} must be positive (the accelerator's peak)")
+    if cfg.logger.peak_tflops is not None and cfg.logger.peak_tflops <= 0:
+        raise ConfigError(f"logger.peak_tflops={cfg.logger.peak_tflops} must be positive (the GPU's bf16 peak), "
+                          f"or null for its datasheet peak")
     if cfg.max_bad_steps < 1:
         raise ConfigError(f"max_bad_steps={cfg.max_bad_steps} must be at least 1")
     cfg.output_dir = os.path.expanduser(cfg.output_dir)     # every user of the setting sees one path
