@@ -291,14 +291,20 @@ def longest_fitting(plan_at: Callable[[int], MemoryPlan], step: int, below: int 
                     start: int | None = None) -> tuple[int, MemoryPlan] | None:
     """The longest sequence, a multiple of `step`, whose plan (`plan_at(length)`) fits, with that plan: below
     `below`, or without it from `start` (a multiple of `step`, a guess; else `step`) up, in strides that double
-    (1, 2, 4... steps) until one does not fit. Then a bisection, taking that a plan fits at every length below
-    one that fits; the answer is a boundary: the plan `step` tokens longer was made and does not fit (or that
-    length is not below `below`). None where nothing fits."""
+    (1, 2, 4... steps) until one does not fit, or down so where `start` does not. Then a bisection, taking that
+    a plan fits at every length below one that fits; the answer is a boundary: the plan `step` tokens longer
+    was made and does not fit (or that length is not below `below`). None where nothing fits."""
     fitting, low = None, 0
     if below is None:
         high, stride = (start or step) // step, 1       # in steps
         while (plan := plan_at(high * step)).fits:
             fitting, low, high, stride = plan, high, high + stride, 2 * stride
+        while fitting is None and high > 1:
+            probe = max(1, high - stride)
+            if (plan := plan_at(probe * step)).fits:
+                fitting, low = plan, probe
+            else:
+                high, stride = probe, 2 * stride
     else:
         high = -(-below // step)
     while high - low > 1:
