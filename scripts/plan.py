@@ -66,7 +66,8 @@ class Longest:
         if self.refused:
             return f"cannot run: {self.refused}"
         if self.seq_len is None:
-            return f"nothing fits: at {self.step:,} tokens {shortfall(self.plan)}"
+            sharded = " (parallel.shard=true)" * self.shard
+            return f"nothing fits{sharded}: at {self.step:,} tokens {shortfall(self.plan)}"
         settings = ([f"full_state={self.plan.full_state}"] * (self.mode == "full")
                     + ["parallel.shard=true"] * self.shard)
         return (f"{self.seq_len:,} ({self.plan.device_label} {self.plan.gpu_peak / GIB:.2f}, host "

@@ -91,9 +91,10 @@ def test_a_cell_that_fits_at_no_length_says_why_with_the_numbers():
     assert full.seq_len is None and not full.plan.fits and full.plan.shape.tokens == 1024 // 2
     largest = max(full.plan.gpu, key=full.plan.gpu.get)
     assert largest in ("fp32 weights+grads+adam", "FSDP gathered weights+grads")
-    assert full.describe() == (f"nothing fits: at 1,024 tokens the GPU peak is {full.plan.gpu_peak / 2**30:.2f} GiB "
-                               f"of {full.plan.capacity.gpu_limit / 2**30:.2f} usable ({largest} "
-                               f"{full.plan.gpu[largest] / 2**30:.2f})")
+    sharded = " (parallel.shard=true)" * full.shard
+    assert full.describe() == (f"nothing fits{sharded}: at 1,024 tokens the GPU peak is "
+                               f"{full.plan.gpu_peak / 2**30:.2f} GiB of {full.plan.capacity.gpu_limit / 2**30:.2f} "
+                               f"usable ({largest} {full.plan.gpu[largest] / 2**30:.2f})")
 
 
 def test_a_configuration_the_checks_refuse_says_so_in_its_cell():
