@@ -17,6 +17,7 @@ parallel.shard given are not read); lengths are multiples of --step and of N.
 import argparse
 import copy
 import functools
+import itertools
 import math
 import os
 import sys
@@ -163,9 +164,11 @@ def format_table(cfg, device: torch.device, rows: list[dict[str, Longest]]) -> s
     gpu = f"memory.gpu={cfg.memory.gpu}, " if cfg.memory.gpu else ""
     per_machine = os.environ.get("LOCAL_WORLD_SIZE")
     ranks = f"N, at most LOCAL_WORLD_SIZE={per_machine}" if per_machine else "N"
-    lines = [f"longest seq_len that fits (planner figures, not measurements): model={cfg.model.name}, {gpu}"
-             f"{machine.gpu / GIB:g} GiB a GPU, {machine.host / GIB:g} GiB of host memory a machine shared by its "
-             f"ranks ({ranks}); parallel.sequence=N; peaks per rank",
+    batch = f", batch_size={cfg.batch_size}" if cfg.batch_size != 1 else ""
+    lines = [f"longest seq_len that fits (planner figures, not measurements): model={cfg.model.name}{batch}, {gpu}"
+             f"{machine.gpu / GIB:g} GiB a {'GPU' if device.type == 'cuda' else 'device (the host)'}, "
+             f"{machine.host / GIB:g} GiB of host memory a machine shared by its ranks ({ranks}); "
+             f"parallel.sequence=N; peaks per rank",
              "| GPUs | LoRA | full fine-tuning |", "| --- | --- | --- |"]
     lines += [f"| {row['lora'].gpus} | {row['lora'].describe()} | {row['full'].describe()} |" for row in rows]
     return "\n".join(lines)
@@ -181,12 +184,10 @@ def take_longest_options(argv: list[str]) -> LongestOptions | None:
         if arg not in ("--longest", "--gpus", "--step"):
             rest.append(arg)
             continue
-        ours.append(arg)
-        takes = {"--longest": 0, "--step": 1}.get(arg)     # --gpus (None): every number after it
-        while at < len(argv) and (takes is None and argv[at].lstrip("-").isdigit() or takes):
-            ours.append(argv[at])
-            at += 1
-            takes = takes and takes - 1
+        taken = (list(itertools.takewhile(lambda value: value.lstrip("-").isdigit(), argv[at:])) if arg == "--gpus"
+                 else argv[at:at + (arg == "--step")])
+        ours += [arg, *taken]
+        at += len(taken)
     parser = argparse.ArgumentParser(prog="scripts/plan.py", add_help=False)
     parser.add_argument("--longest", action="store_true")
     parser.add_argument("--gpus", type=int, nargs="+", default=list(LongestOptions.gpus))
