@@ -11,6 +11,7 @@ fails before building the model. The `memory.*` settings are checked by the conf
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -269,9 +270,13 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     if plan.mlp_tiles * 4096 < seq_len * batch_size:
         tips.append("memory.mlp_tile_tokens=4096 (smaller MLP tiles)" if memory_cfg.mlp_tiles is None else
                     "memory.mlp_tiles=null memory.mlp_tile_tokens=4096 (smaller MLP tiles; mlp_tiles overrides)")
-    fitting = _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, plan.capacity, ranks,
-                               micro_batches)
-    if fitting:
+
+    def plan_at(length: int) -> MemoryPlan:
+        return plan_memory(arch, train_cfg, memory_cfg, length, batch_size, device, plan.capacity, False,
+                           ranks=ranks, micro_batches=micro_batches)
+    longest = longest_fitting(plan_at, 1024, below=seq_len)
+    if longest:
+        fitting = longest[0]
         tips.append(f"seq_len={fitting} (the longest that fits with these settings)" if batch_size == 1 else
                     f"batch_size * seq_len <= {fitting * batch_size} tokens")
     if plan.gpu_peak > plan.capacity.gpu_limit and plan.capacity.device_type == "cuda":
@@ -282,15 +287,31 @@ def advice(plan: MemoryPlan, arch, train_cfg, memory_cfg, seq_len, batch_size, d
     return tips
 
 
-def _longest_fitting(arch, train_cfg, memory_cfg, seq_len, batch_size, device, capacity, ranks,
-                     micro_batches: int) -> int | None:
-    step = 1024
-    low, high = 0, seq_len // step
-    while low < high:       # largest multiple of `step` below seq_len that fits
-        mid = (low + high + 1) // 2
-        if plan_memory(arch, train_cfg, memory_cfg, mid * step, batch_size, device, capacity, False,
-                       ranks=ranks, micro_batches=micro_batches).fits:
-            low = mid
+def longest_fitting(plan_at: Callable[[int], MemoryPlan], step: int, below: int | None = None,
+                    start: int | None = None) -> tuple[int, MemoryPlan] | None:
+    """The longest sequence, a multiple of `step`, whose plan (`plan_at(length)`) fits, with that plan: below
+    `below`, or without it from `start` (a multiple of `step`, a guess; else `step`) up, in strides that double
+    (1, 2, 4... steps) until one does not fit, or down so where `start` does not. Then a bisection, taking that
+    a plan fits at every length below one that fits; the answer is a boundary: the plan `step` tokens longer
+    was made and does not fit (or that length is not below `below`). None where nothing fits."""
+    fitting, low = None, 0
+    if below is None:
+        high, stride = (start or step) // step, 1       # in steps
+        while (plan := plan_at(high * step)).fits:
+            fitting, low, high, stride = plan, high, high + stride, 2 * stride
+        while fitting is None and high > 1:
+            probe = max(1, high - stride)
+            if (plan := plan_at(probe * step)).fits:
+                fitting, low = plan, probe
+            else:
+                high, stride = probe, 2 * stride
+    else:
+        high = -(-below // step)
+    while high - low > 1:
+        mid = (low + high) // 2
+        plan = plan_at(mid * step)
+        if plan.fits:
+            fitting, low = plan, mid
         else:
-            high = mid - 1
-    return low * step or None
+            high = mid
+    return None if fitting is None else (low * step, fitting)

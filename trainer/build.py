@@ -35,16 +35,18 @@ log = logging.getLogger(__name__)
 BASE_MODEL_DIR = "base_model"
 
 
-def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None) -> MemoryPlan:
+def plan_for(cfg, device: torch.device, per_host: int = 1, capacity: Capacity | None = None,
+             world: int | None = None, with_advice: bool = True) -> MemoryPlan:
     """The memory plan of a validated `cfg` on `device`, for one of its ranks (parallel.sequence of them per
-    sequence, so at least that many in the world; `per_host` sharing this host's memory), or for `capacity`
-    (one rank's share, as trainer.loop agrees it over the ranks)."""
+    sequence, so at least that many in the world, or `world`; `per_host` sharing this host's memory), or for
+    `capacity` (one rank's share, as trainer.loop agrees it over the ranks); `with_advice`: a plan that does not
+    fit says what would help."""
     arch = model_architecture(cfg)
     return plan_memory(arch, cfg.train, memory_settings(cfg, arch, device), cfg.seq_len, cfg.batch_size, device,
-                       capacity=capacity,
+                       capacity=capacity, with_advice=with_advice,
                        attention_routes=attention_routes(cfg, arch, device),
                        ranks=Ranks(sequence=cfg.parallel.sequence, per_host=per_host,
-                                   world=max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard),
+                                   world=world or max(world_size(), cfg.parallel.sequence), shard=cfg.parallel.shard),
                        micro_batches=cfg.optim.grad_accum_steps)
 
 

@@ -44,9 +44,10 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_parallel(cfg) -> None:
-    """parallel.sequence against the world, the sequence length and the model's heads."""
-    degree, world = cfg.parallel.sequence, world_size()
+def check_parallel(cfg, world: int | None = None) -> None:
+    """parallel.sequence against the world (this job's, or `world` processes), the sequence length and the
+    model's heads."""
+    degree, world = cfg.parallel.sequence, world or world_size()
     if degree < 1:
         raise ConfigError(f"parallel.sequence={degree} must be at least 1")
     if world % degree:
