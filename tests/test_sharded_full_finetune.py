@@ -1,6 +1,6 @@
 """Full fine-tuning's bf16 states sharded by FSDP2 over 2 CPU processes (gloo): bf16 weights and moments with
 stochastic rounding, gradients on the device or streamed to host memory, and the exact global-norm clip take
-the steps one process takes on the world's batches.
+the steps one process takes on the world's batches, and their checkpoint (DCP) resumes exactly.
 
 The comparison is meaningful with stochastic rounding because the rounding does not depend on the sharding:
 an element draws its noise by its index in the whole parameter (kernels.reference.round_stochastically's
@@ -9,6 +9,8 @@ The ranks are data parallel, one batch each, against one process taking both bat
 every per-token computation is the same, and each gradient is the sum of the same two bf16 terms (FSDP2's
 reduce-scatter, or one process's accumulation), so the two runs may differ only by the order of the float
 sums behind the loss and the norm."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from conf.schema import DataConfig
 from model import CausalLM, DecoderConfig
 from offload.policy import apply_memory_policy
 from tests.gloo_support import gloo_rank, run_two_ranks
+from trainer.checkpoint.sharded_state import load_sharded_state, save_sharded_state
 from trainer.distributed import World, world_of
 from trainer.optim import build_optimizer
 from trainer.sharding import shard_model
@@ -82,6 +85,23 @@ def _worker(rank: int, init_file: str, failures, full_state: str, dtype: torch.d
             torch.testing.assert_close(param.full_tensor(), whole.detach(), rtol=1e-5, atol=atol, msg=name)
         if full_state == "bf16_host_grads":
             assert all(p.grad is None for p in model.parameters())      # every gradient went to the host
+        _resumes_exactly(model, optimizer, dtype, full_state, world, Path(init_file).parent / "state",
+                         _batches(STEPS, 2 * per_rank)[mine])
+
+
+def _resumes_exactly(model, optimizer, dtype, full_state: str, world: World, directory: Path, batches) -> None:
+    """The sharded state saved through DCP and loaded into a new sharded model and optimizer takes the next
+    step bit for bit as the uninterrupted one: moments restored, rounding draws a function of the step."""
+    save_sharded_state(directory, model, optimizer)
+    resumed = _model(dtype)
+    shard_model(resumed, world, CPU)
+    resumed_optimizer = build_optimizer(resumed, OPTIM, full_state)
+    load_sharded_state(directory, resumed, resumed_optimizer)
+    for each, each_optimizer in ((model, optimizer), (resumed, resumed_optimizer)):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(each_optimizer, lambda step: 1.0)
+        train_step(each, batches, each_optimizer, scheduler, GRAD_CLIP, CPU, world)
+    for (name, param), continued in zip(resumed.named_parameters(), model.parameters()):
+        assert torch.equal(param.to_local(), continued.to_local()), name
 
 
 @pytest.mark.parametrize("full_state", ["bf16", "bf16_host_grads"])
