@@ -224,8 +224,6 @@ class StreamedAdamW(torch.optim.Optimizer):
         state = self._state_of(param)
         state["step"] += 1
         step = int(state["step"].item())
-        if grad.numel() == 0:
-            return      # this rank's shard of a parameter shorter than the world (its step counted, as on all)
         beta1, beta2 = group["betas"]
         kernels.adamw_update(local(param), grad, local(state["exp_avg"]), local(state["exp_avg_sq"]), lr=group["lr"],
                              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
