@@ -115,14 +115,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return total / (targets != ignore_index).sum().clamp(min=1)
 
 
-def round_stochastically(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def round_stochastically(x: torch.Tensor, dtype: torch.dtype, seed: int, first: int = 0) -> torch.Tensor:
     """fp32 `x` in `dtype`: bf16 is rounded up or down at random with probability proportional to the
     distance (E[result] = x), so increments far below bf16's resolution still add up in expectation;
-    any other dtype is rounded to nearest. Non-finite values pass unchanged."""
+    any other dtype is rounded to nearest. Non-finite values pass unchanged. `x` may be the elements from
+    flat index `first` of a larger tensor (a rank's shard): each element draws the noise it draws there."""
     if dtype != torch.bfloat16:
         return x.to(dtype)
     generator = torch.Generator(device=x.device).manual_seed(seed)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    noise = torch.randint(0, 1 << 16, (first + x.numel(),), dtype=torch.int32, device=x.device,
+                          generator=generator)[first:].view(x.shape)
     # Adding noise to the 16 bits bf16 drops, then truncating them, rounds the magnitude up with
     # probability (dropped bits) / 2^16 whatever the sign.
     truncated = ((x.view(torch.int32) + noise) & -65536).view(torch.float32)
@@ -131,17 +133,18 @@ def round_stochastically(x: torch.Tensor, dtype: torch.dtype, seed: int) -> torc
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                 grad_scale: float = 1.0, seed: int = 0) -> None:
+                 grad_scale: float = 1.0, seed: int = 0, first: int = 0) -> None:
     """One AdamW step in place, as torch.optim.AdamW (decoupled weight decay, bias correction), on
     `grad * grad_scale` (the clipping coefficient). Math in fp32; bf16 param and moments are stored with
-    stochastic rounding (`round_stochastically`, one seed per tensor derived from `seed`)."""
+    stochastic rounding (`round_stochastically`, one seed per tensor derived from `seed`). The tensors may be a
+    shard, from flat index `first` of the whole parameter: its elements round as the whole tensor's would."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp_(g, 1 - beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
     p = param.float().mul_(1 - lr * weight_decay).addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
     for index, (stored, value) in enumerate(((param, p), (exp_avg, m), (exp_avg_sq, v))):
-        stored.copy_(round_stochastically(value, stored.dtype, seed * 3 + index))
+        stored.copy_(round_stochastically(value, stored.dtype, seed * 3 + index, first))
 
 
 # FP8 (model/fp8.py): e4m3 with one fp32 scale per row. Values are divided by their row's scale so that the

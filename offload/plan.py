@@ -149,8 +149,8 @@ def plan_memory(arch: DecoderConfig, train_cfg, memory_cfg, seq_len: int, batch_
     gradients of one micro-batch through the next's forward and backward."""
     capacity = capacity or Capacity.detect(device, memory_cfg).shared_by(ranks.per_host)
     layouts = layouts_to_try(getattr(train_cfg, "full_state", "auto")) if train_cfg.mode == "full" else (None,)
-    if ranks.world > 1 and train_cfg.mode == "full":
-        layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states do not run over several processes yet
+    if ranks.world > 1 and train_cfg.mode == "full" and not ranks.shard:
+        layouts = DISTRIBUTED_LAYOUTS     # the streamed bf16 states run over several processes only sharded
     for attention_route, layout in ((route, layout) for route in attention_routes for layout in layouts):
         plan = _plan_layout(arch, train_cfg, memory_cfg, seq_len * batch_size // ranks.sequence, device, capacity,
                             layout, attention_route, ranks, micro_batches)

@@ -16,8 +16,9 @@ import torch
 from conf.schema.train import FULL_STATE_LAYOUTS
 
 
-# Over several processes: fp32 weights and torch AdamW on each GPU (StreamedAdamW's bf16 states are not
-# reduced across ranks).
+# Over several processes without FSDP2 (parallel.shard=false): fp32 weights and torch AdamW on each GPU, as
+# StreamedAdamW takes each gradient in the backward, before World.sum_gradients sums it over the ranks. Sharded,
+# every layout runs: FSDP2 reduces a gradient before StreamedAdamW takes its shard.
 DISTRIBUTED_LAYOUTS = ("fp32",)
 
 

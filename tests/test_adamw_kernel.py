@@ -65,3 +65,19 @@ def test_bf16_updates_below_resolution_are_kept_in_expectation(update):
            step=1, seed=7)
     assert set(param.float().unique().tolist()) == {1.0 - 2**-8, 1.0}     # each rounded down or up
     assert param.float().mean().item() == pytest.approx(1.0 - 1e-4, abs=2e-5)
+
+
+@pytest.mark.parametrize("update", [reference.adamw_update, pytest.param(adamw_update, marks=runs_the_kernel)],
+                         ids=["reference", "triton"])
+def test_a_shard_rounds_its_elements_as_the_whole_tensor_does(update):
+    """A rank's shard of a parameter (FSDP2: a range of the flat tensor, from `first`) draws each element's
+    rounding noise as the whole tensor does, so a sharded update is the unsharded one bit for bit."""
+    whole = random_state(3000, torch.bfloat16, seed=3)
+    shard = [t[1200:2100].clone() for t in whole]
+    update(*whole, **HYPER, step=2, seed=11)
+    update(*shard, **HYPER, step=2, seed=11, first=1200)
+    for name, ours, theirs in zip(("param", "grad", "exp_avg", "exp_avg_sq"), shard, whole):
+        assert torch.equal(ours, theirs[1200:2100]), name
+    unaligned = [t[1200:2100].clone() for t in random_state(3000, torch.bfloat16, seed=3)]
+    update(*unaligned, **HYPER, step=2, seed=11)
+    assert not torch.equal(unaligned[0], whole[0][1200:2100])      # the offset is what lines the draws up

@@ -630,6 +630,39 @@ def test_sharded_full_fine_tuning_holds_its_share_of_the_state_and_the_gathered_
     assert "FSDP gathered weights+grads" not in replicated.gpu
 
 
+@pytest.mark.parametrize("layout", ["bf16", "bf16_host_grads"])
+def test_sharded_bf16_states_are_planned_per_rank(layout):
+    """parallel.shard=true: the bf16 layouts run over several processes, each rank holding its share (1/N, the
+    ceiling) of the bf16 weights, moments and gradients, on the GPU or pinned on the host, where one process
+    holds them whole; the gathered layers are bf16, weights and gradients."""
+    from offload.plan import gathered_bytes
+    from offload.state_layouts import layout_memory
+    full = SimpleNamespace(mode="full", full_state=layout)
+    trainable = parameter_counts(LLAMA3_8B, full)[1]
+    one = plan_memory(LLAMA3_8B, full, MemoryConfig(), 32768, 1, CUDA, H100_HOST)
+    two = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST, ranks=Ranks(2, 1, 2, shard=True))
+    assert one.full_state == two.full_state == layout and one.shape.tokens == two.shape.tokens
+    gpu, host = layout_memory(layout, -(-trainable // 2))
+    assert {name: two.gpu[name] for name in gpu} == gpu
+    assert two.gpu["bf16 weights"] * 2 == one.gpu["bf16 weights"] and two.gpu["bf16 adam moments"] * 2 == (
+        one.gpu["bf16 adam moments"])
+    assert {name: two.host[name] for name in host} == {name: pinned_size(size) for name, size in host.items()}
+    if layout == "bf16_host_grads":
+        assert pinned_size(one.host["pinned gradients"] // 2) == two.host["pinned gradients"]
+    assert two.gpu["FSDP gathered weights+grads"] == gathered_bytes(LLAMA3_8B, 2)
+
+
+def test_sharded_full_fine_tuning_plans_bf16_states_where_fp32_does_not_fit():
+    """train.full_state=auto over 2 ranks: unsharded, fp32 only (and 8B does not fit); sharded, the bf16 state
+    layouts too, the first that fits."""
+    full = SimpleNamespace(mode="full", full_state="auto")
+    replicated = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST, ranks=Ranks(2, 1, 2))
+    sharded = plan_memory(LLAMA3_8B, full, MemoryConfig(), 65536, 1, CUDA, H100_HOST,
+                          ranks=Ranks(2, 1, 2, shard=True))
+    assert replicated.full_state == "fp32" and not replicated.fits
+    assert sharded.fits and sharded.full_state in ("bf16", "bf16_host_grads")
+
+
 def test_sharded_lora_holds_its_share_of_the_frozen_base_and_gathers_weights_only():
     from offload.plan import Ranks, gathered_bytes
     replicated = plan_memory(LLAMA3_8B, LORA, MemoryConfig(), 1048576, 1, CUDA, H100_HOST, ranks=Ranks(8, 1, 8))

@@ -202,13 +202,23 @@ def test_a_degree_the_kv_heads_neither_split_nor_repeat_over_is_refused_before_a
                                       "of the model's 4 KV heads (its 28 query heads are padded to a multiple)")
 
 
-def test_streamed_full_fine_tuning_states_are_refused_over_several_processes(monkeypatch):
+@pytest.mark.parametrize("full_state", ["bf16", "bf16_host_grads"])
+def test_streamed_full_fine_tuning_states_run_over_several_processes_only_sharded(monkeypatch, full_state):
+    """StreamedAdamW takes each gradient in the backward: over several processes it needs FSDP2's reduced
+    shards (parallel.shard=true), not gradients World.sum_gradients sums after the backward."""
     from hydra import compose, initialize_config_dir
     from conf.schema import register_configs
     from conf.validate import validate
     register_configs()
     monkeypatch.setenv("WORLD_SIZE", "2")
+    overrides = ["train=full", f"train.full_state={full_state}", "parallel.sequence=2"]
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["train=full", "train.full_state=bf16", "parallel.sequence=2"])
-    with pytest.raises(ConfigError, match="train.full_state=bf16 does not run over several processes"):
+        cfg = compose("config", overrides=overrides)
+        sharded = compose("config", overrides=[*overrides, "parallel.shard=true"])
+    with pytest.raises(ConfigError) as refused:
         validate(cfg)
+    assert str(refused.value) == (
+        f"train.full_state={full_state} runs over several processes only sharded (FSDP2 sums each gradient over the "
+        f"ranks before the optimizer takes it): set parallel.shard=true, or train.full_state=fp32 (16 bytes per "
+        f"parameter on each GPU)")
+    validate(sharded)

@@ -64,8 +64,12 @@ def run(run_dir, *overrides: str, processes: int = 2) -> list[float]:
     ("lora", ["parallel.sequence=2", "parallel.shard=true"], []),
     # Two data-parallel ranks of one sequence each equal one process accumulating both.
     ("full", ["parallel.sequence=1", "batch_size=1"], ["batch_size=1", "optim.grad_accum_steps=2"]),
+    # bf16 weights and moments (stochastic rounding), gradients streamed to the host, sharded: data parallel, as
+    # each rank's bf16 forward is then one process's (tests/test_sharded_full_finetune.py says why it is exact).
+    ("full", ["train.full_state=bf16_host_grads", "parallel.sequence=1", "batch_size=1", "parallel.shard=true"],
+     ["train.full_state=bf16_host_grads", "batch_size=1", "optim.grad_accum_steps=2"]),
 ], ids=["sequence-parallel-full", "sequence-parallel-lora", "sequence-parallel-sharded",
-                                         "sequence-parallel-lora-sharded", "data-parallel-full"])
+        "sequence-parallel-lora-sharded", "data-parallel-full", "data-parallel-sharded-bf16-host-grads"])
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path, train, parallel, single):
     common = [f"train={train}", "max_steps=4", "checkpoint.every_steps=2"]
     two = run(tmp_path / "two", *common, *parallel)

@@ -17,14 +17,26 @@ How a step runs with `StreamedAdamW`:
   step: unit by unit, the gradients come back from the host (the next unit's copy overlapping this
     unit's update kernels) and each parameter gets one fused AdamW update on grad * coefficient.
 
+Sharded by FSDP2 (trainer.sharding), each rank holds a shard of every parameter (a DTensor) and works on that
+alone: FSDP2 calls the hook after the gradient's reduce-scatter, with the shard of the sum over the ranks, so
+what is recorded and streamed to the host is already reduced; the squared norms of the shards are summed over
+the ranks once, in clip_grad_norm_; the moments are sharded as the parameters are; and a shard's element draws
+its stochastic rounding by its index in the whole parameter, so the update is the one process's, whatever the
+number of ranks (and a resume repeats it: the draws depend on the seed, the step and the parameter alone).
+
 The optimizer is a torch.optim.Optimizer with AdamW's state keys (step, exp_avg, exp_avg_sq), so
 state_dict()/load_state_dict() work as for torch.optim.AdamW (moments are cast to the parameter dtype on
 load, so a torch AdamW checkpoint loads too).
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import kernels
 from model import unwrap_model
@@ -52,6 +64,34 @@ def update_units(model: nn.Module) -> list[list[nn.Parameter]]:
     return units
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor, sharing its memory; any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def first_element(param: torch.Tensor) -> int:
+    """The flat index, in the whole parameter, of this rank's first element (0 unless sharded). FSDP2 shards
+    dim 0, so a shard is one range of the whole row-major tensor."""
+    if not isinstance(param, DTensor):
+        return 0
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"StreamedAdamW updates parameters sharded on dim 0, not {param.placements}")
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0] * math.prod(param.shape[1:])
+
+
+# Elements of a gradient squared in fp64 at a time: a bounded transient (128 MiB) for the largest gradient.
+NORM_CHUNK = 1 << 24
+
+
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of `grad`, summed in fp64: near exact whatever the order of the sums, so that the
+    global norm of shards summed over ranks gives the one process's clipping coefficient to the last fp32 bit
+    (stochastic rounding turns a coefficient one bit apart into elements one bf16 step apart)."""
+    chunks = grad.reshape(-1).split(NORM_CHUNK)
+    return sum(torch.linalg.vector_norm(chunk, dtype=torch.float64) ** 2 for chunk in chunks)
+
+
 class HostGradients:
     """Every parameter's gradient in one pinned buffer (the planner counts one of 2 B/param), carved into a
     view per parameter; copies run on the side stream of the engine (plain and synchronous on CPU, so the
@@ -59,7 +99,7 @@ class HostGradients:
 
     def __init__(self, params: list[nn.Parameter], device: torch.device):
         self.engine = CopyEngine(device, timed=False)
-        self.views = dict(zip(params, self.engine.pool.carve("gradients", params)))
+        self.views = dict(zip(params, self.engine.pool.carve("gradients", [local(p) for p in params])))
         self.held: dict[nn.Parameter, HostCopy] = {}     # parameters whose host view holds this step's sum
 
     def store(self, param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -86,7 +126,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         if set(self.unit_of) != set(params):
             raise ValueError("update units must cover exactly the optimizer's parameters")
         self.norm_index = {p: index for index, p in enumerate(params)}
-        self.squared_norms = torch.zeros(len(params), dtype=torch.float32, device=device)
+        # Sharded (FSDP2): the ranks whose shards' squared norms add up to the global one.
+        self.shard_group = params[0].device_mesh.get_group() if isinstance(params[0], DTensor) else None
+        self.first = {p: first_element(p) for p in params}
+        self.squared_norms = torch.zeros(len(params), dtype=torch.float64, device=device)
         self.host = HostGradients(params, device) if grads_on_host else None
         self.open_unit: int | None = None
         self.grad_scale = 1.0
@@ -105,12 +148,12 @@ class StreamedAdamW(torch.optim.Optimizer):
         """Record the squared norms of the unit's accumulated gradients; with host gradients, move them
         there (adding the partial sum of earlier micro-batches first)."""
         for param in self.units[unit]:
-            grad = param.grad
-            if grad is None:
+            if param.grad is None:
                 continue
+            grad = local(param.grad)
             if self.host is not None and param in self.host.held:
                 grad.add_(self.host.load([param])[param].wait())
-            self.squared_norms[self.norm_index[param]] = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+            self.squared_norms[self.norm_index[param]] = squared_norm(grad)
             if self.host is not None:
                 self.host.store(param, grad)
                 param.grad = None
@@ -123,7 +166,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         if self.open_unit is not None:
             self._flush(self.open_unit)
             self.open_unit = None
-        norm = self.squared_norms.sum().sqrt()
+        squares = self.squared_norms.sum()
+        if self.shard_group is not None:
+            dist.all_reduce(squares, group=self.shard_group)
+        norm = squares.sqrt()
         self.grad_scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
@@ -157,7 +203,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         params = self.units[unit]
         if self.host is not None:
             return self.host.load(params)
-        return {p: p.grad for p in params if p.grad is not None}
+        return {p: local(p.grad) for p in params if p.grad is not None}
 
     def init_state(self) -> None:
         """Zero moments at step 0 for every parameter that has none: what a loader (DCP) fills in place.
@@ -179,9 +225,10 @@ class StreamedAdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = int(state["step"].item())
         beta1, beta2 = group["betas"]
-        kernels.adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
-                             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                             grad_scale=self.grad_scale, seed=hash((self.seed, step, self.norm_index[param])) % 2**31)
+        kernels.adamw_update(local(param), grad, local(state["exp_avg"]), local(state["exp_avg_sq"]), lr=group["lr"],
+                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                             step=step, grad_scale=self.grad_scale,
+                             seed=hash((self.seed, step, self.norm_index[param])) % 2**31, first=self.first[param])
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Free the current moments first: on the GPU two copies of them (2 x 30 GiB at 8B) do not fit.

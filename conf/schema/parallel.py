@@ -4,7 +4,8 @@
 seq_len / P tokens, attention exchanges heads for tokens); the ranks of the world beyond that are data
 parallel (world size / P different batches per step). One process: P must be 1. `parallel.shard=true`
 shards the weights over the world (FSDP2, trainer.sharding): full fine-tuning's with their gradients and
-optimizer state, LoRA's frozen base with the adapters.
+optimizer state (in any train.full_state; the bf16 ones run over several processes only sharded), LoRA's
+frozen base with the adapters.
 """
 from __future__ import annotations
 
@@ -56,10 +57,11 @@ def check_parallel(cfg, world: int | None = None) -> None:
     if cfg.seq_len % degree:
         raise ConfigError(f"seq_len={cfg.seq_len} must be a multiple of parallel.sequence={degree}: each rank "
                           f"holds an equal slice")
-    if world > 1 and cfg.train.mode == "full" and cfg.train.full_state not in ("auto", "fp32"):
-        raise ConfigError(f"train.full_state={cfg.train.full_state} does not run over several processes yet (its "
-                          f"bf16 optimizer states are not reduced across ranks): use train.full_state=fp32 (16 "
-                          f"bytes per parameter on each GPU), or train=lora")
+    streamed = cfg.train.mode == "full" and cfg.train.full_state not in ("auto", "fp32")
+    if world > 1 and streamed and not cfg.parallel.shard:
+        raise ConfigError(f"train.full_state={cfg.train.full_state} runs over several processes only sharded (FSDP2 "
+                          f"sums each gradient over the ranks before the optimizer takes it): set parallel.shard=true, "
+                          f"or train.full_state=fp32 (16 bytes per parameter on each GPU)")
     heads, kv_heads = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
     if not heads_split(heads, kv_heads, degree):
         raise ConfigError(f"parallel.sequence={degree} shards attention heads: it must divide or be a multiple of "

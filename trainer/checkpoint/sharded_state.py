@@ -58,6 +58,8 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
                     optimizer_state: dict) -> None:
     """Load a one-process checkpoint (whole weights by name; `optimizer_state` as torch's state_dict(),
     by parameter index) into a sharded (FSDP2) `model` and its optimizer: each rank keeps its shard."""
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()      # StreamedAdamW: the sharded moments each rank takes its part into
     name_of = {id(param): name for name, param in model.named_parameters()}
     names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
     by_name = {"state": {names[index]: state for index, state in optimizer_state["state"].items()},
