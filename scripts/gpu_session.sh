@@ -153,6 +153,8 @@ for step in "$@"; do
           grep -v '^{' /tmp/recall_curve.out | tail -8; fi
         if [ -f /tmp/families.started ] || [ -f /tmp/families46.started ]; then cp /tmp/families.jsonl /tmp/families.err $OUT/ 2>/dev/null
           python3 -c "import json; [print({k: r.get(k) for k in ('stack','seq_len','step_s','tokens_per_s','peak_gpu_allocated_gib','overrides')}) for r in map(json.loads, open('/tmp/families.jsonl'))]"; fi
+        if [ -f /tmp/full_1m_x4.done ]; then cp /tmp/full_1m_x4.log $OUT/; cp /tmp/full_1m_x4/*.log $OUT/ 2>/dev/null
+          tail -n 6 /tmp/full_1m_x4.log; fi
         if [ -f /tmp/fp8_quality.done ]; then collect_recall_job fp8_quality fp8_runs
           grep -v '^{' /tmp/fp8_quality.out | tail -8; fi ;;
     peer_32k) bench --seq-len 32768 --steps 3 --peer ;;
@@ -180,6 +182,13 @@ for step in "$@"; do
         LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
+    # Issue 49 on 4 GPUs (nvidia-h100-x4): 131k full fine-tuning on one GPU and on four (sequence parallel, the
+    # bf16 state sharded by FSDP2), then one full fine-tuning step of 1,048,576 tokens on the four, longer than a
+    # call (in the background: then `poll`); its plan first from `scripts/plan.py --longest --gpus 4 train=full`.
+    full_131k_x4) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 4 --steps 3 --work-dir /tmp/full_131k_x4 \
+        train=full parallel.shard=true 2>&1 | tee $OUT/full_131k_x4.log | tail -6 ;;
+    full_1m_x4_bg) background full_1m_x4 "python3 scripts/bench_parallel.py --seq-len 1048576 --gpus 4 --steps 1 \
+        --work-dir /tmp/full_1m_x4 train=full parallel.shard=true > /tmp/full_1m_x4.log 2>&1" ;;
     # Issue 14's recall curve (recall_curve above), longer than a call: then `poll`.
     recall_curve_bg) background recall_curve recall_curve ;;
     # Issue 41's FP8 quality gate (fp8_quality above), longer than a call: then `poll`.
