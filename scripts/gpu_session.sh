@@ -132,7 +132,7 @@ for step in "$@"; do
     # times and errors against fp32, one JSON line a length in $OUT/cudnn_fp8.jsonl, the whole log in cudnn_fp8.log.
     # CUDNN_FP8_ARGS adds options (--seqlens, --time-limit-s: its default, 540 s, leaves a lone step's call room).
     cudnn_fp8) python3 scripts/experiments/cudnn_fp8_attention.py --json $OUT/cudnn_fp8.jsonl ${CUDNN_FP8_ARGS:-} 2>&1 |
-        tee $OUT/cudnn_fp8.log | tail -40 ;;
+        tee $OUT/cudnn_fp8.log | tail -60 ;;
     attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;
     # FP8 (train.fp8): the products against bf16 and torchao (needs its wheel in .whl/), one layer's error

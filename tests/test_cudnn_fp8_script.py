@@ -119,3 +119,14 @@ def test_the_time_limit_ends_the_process_wherever_it_is():
     done = run_script(["-c", code])
     assert done.returncode == 124
     assert "time limit of 0.5 s reached during S=131072: exiting" in done.stdout and "not reached" not in done.stdout
+
+
+def test_a_cudnn_refusal_keeps_each_engines_reason_on_one_line():
+    refusal = RuntimeError("\n".join([
+        "No valid engine configs for graph", '{"engineId":0}', "Warning: NOT_SUPPORTED; Reason: fp8 I/O",
+        "Warning: NOT_SUPPORTED; Reason: finalize_internal()", '{"engineId":2}',
+        "Warning: Reason: this->libcuda == nullptr", "Warning: Reason: ptr->isSupported()", ""]))
+    assert fp8_script.short(refusal) == ('RuntimeError: No valid engine configs for graph | {"engineId":0} | Warning: '
+                                         'NOT_SUPPORTED; Reason: fp8 I/O | {"engineId":2} | Warning: Reason: '
+                                         'this->libcuda == nullptr')
+    assert len(fp8_script.short(RuntimeError("x" * 5000))) == len("RuntimeError: ") + 2000

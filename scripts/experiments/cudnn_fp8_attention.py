@@ -83,13 +83,21 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
-def short(error: BaseException) -> str:
-    """An exception in one line, cut to 400 characters."""
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:400]}"
+# Lines that cuDNN repeats under every engine's refusal: dropped, so that each engine's reason fits the line.
+REFUSAL_BOILERPLATE = ("finalize_internal()", "ptr->isSupported()", "CUDNN_STATUS_NOT_INITIALIZED == status",
+                       "check_for_support()", "process_knob_choices()")
 
 
-# ---------------------------------------------------------------- cuDNN graphs (no torch: buildable anywhere)
+def short(error: BaseException, limit: int = 2000) -> str:
+    """An exception in one line of at most `limit` characters, without cuDNN's repeated lines."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines()]
+    text = " | ".join(line for line in lines if line and not any(b in line for b in REFUSAL_BOILERPLATE))
+    return f"{type(error).__name__}: {text[:limit]}"
+
+
+# ---------------------------------------------------------------- cuDNN graphs
+# Each graph gets the handle: without one the frontend looks the device up through cuda-python, which the GPU
+# image lacks (the backend's path needs nothing else from it).
 
 def bhsd(batch: int, heads: int, seqlen: int, head_dim: int) -> tuple[tuple, tuple]:
     """cuDNN's (B, H, S, D) dims and the strides of our contiguous [B, S, H, D] tensor."""
@@ -108,7 +116,7 @@ def _scalar(cudnn, graph, uids: dict, name: str):
                         data_type=cudnn.data_type.FLOAT)
 
 
-def _set_output(cudnn, tensor, uid: int, dims, strides, data_type) -> None:
+def _set_output(tensor, uid: int, dims, strides, data_type) -> None:
     tensor.set_uid(uid).set_output(True).set_dim(dims).set_stride(strides).set_data_type(data_type)
 
 
@@ -122,7 +130,7 @@ def _finish(cudnn, graph):
     return graph
 
 
-def forward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str, build: bool = True):
+def forward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str):
     """sdpa_fp8 over E4M3 q, k, v of one row: output O in out_type, Stats (fp32 log-sum-exp), Amax_S, Amax_O."""
     fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
@@ -137,16 +145,15 @@ def forward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str
     o, stats, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, **scalars, generate_stats=True,
                                               attn_scale=HEAD_DIM ** -0.5, name="sdpa_fp8",
                                               **mask_arguments(cudnn, mask))
-    _set_output(cudnn, o, u["o"], q_dims, q_strides, out_type)
-    _set_output(cudnn, stats, u["stats"], (1, Q_HEADS, seqlen, 1), (Q_HEADS * seqlen, seqlen, 1, 1), fp32)
+    _set_output(o, u["o"], q_dims, q_strides, out_type)
+    _set_output(stats, u["stats"], (1, Q_HEADS, seqlen, 1), (Q_HEADS * seqlen, seqlen, 1, 1), fp32)
     # Amax_S is deprecated (scale_s is fixed by P's bound) but declared, as the frontend's FP8 tests do.
-    _set_output(cudnn, amax_s, u["amax_s"], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
-    _set_output(cudnn, amax_o, u["amax_o"], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
-    return _finish(cudnn, graph) if build else graph
+    _set_output(amax_s, u["amax_s"], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
+    _set_output(amax_o, u["amax_o"], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
+    return _finish(cudnn, graph)
 
 
-def backward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str, deterministic: bool = False,
-                   build: bool = True):
+def backward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str, deterministic: bool = False):
     """sdpa_fp8_backward: E4M3 q, k, v, dO; O in out_type (the forward's); dQ, dK, dV in out_type, and the amax
     of dQ, dK, dV and dP."""
     fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
@@ -167,12 +174,12 @@ def backward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: st
     dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = graph.sdpa_fp8_backward(
         q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **scalars, attn_scale=HEAD_DIM ** -0.5,
         use_deterministic_algorithm=deterministic, name="sdpa_fp8_backward", **mask_arguments(cudnn, mask))
-    _set_output(cudnn, dq, u["dQ"], q_dims, q_strides, out_type)
-    _set_output(cudnn, dk, u["dK"], kv_dims, kv_strides, out_type)
-    _set_output(cudnn, dv, u["dV"], kv_dims, kv_strides, out_type)
+    _set_output(dq, u["dQ"], q_dims, q_strides, out_type)
+    _set_output(dk, u["dK"], kv_dims, kv_strides, out_type)
+    _set_output(dv, u["dV"], kv_dims, kv_strides, out_type)
     for tensor, name in ((amax_dq, "amax_dQ"), (amax_dk, "amax_dK"), (amax_dv, "amax_dV"), (amax_dp, "amax_dP")):
-        _set_output(cudnn, tensor, u[name], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
-    return _finish(cudnn, graph) if build else graph
+        _set_output(tensor, u[name], (1, 1, 1, 1), (1, 1, 1, 1), fp32)
+    return _finish(cudnn, graph)
 
 
 def configurations(cudnn) -> list[dict]:
@@ -235,14 +242,13 @@ class Fp8Attention:
         if self.fp8_out:   # |O| <= max|V| (a convex combination of V's rows): a first scale that cannot overflow
             self._rescale("amax_v", "scale_o", "descale_o")
         self.forward_pack = {uid: b[name] for name, uid in FORWARD_UIDS.items()}
-        self.forward_workspace = self._workspace(forward)
+        self.forward_workspace = self.workspace(forward)
         if backward is not None:
             self.backward_pack = {uid: b[name] for name, uid in BACKWARD_UIDS.items()}
-            self.backward_workspace = self._workspace(backward)
+            self.backward_workspace = self.workspace(backward)
 
-    @staticmethod
-    def _workspace(graph) -> torch.Tensor:
-        return torch.empty(max(int(graph.get_workspace_size()), 1), dtype=torch.uint8, device="cuda")
+    def workspace(self, graph) -> torch.Tensor:
+        return torch.empty(max(int(graph.get_workspace_size()), 1), dtype=torch.uint8, device=self.buffers["o"].device)
 
     def quantize_inputs(self, names=("q", "k", "v")) -> None:
         """These bf16 inputs to E4M3 with scales from their amax, on the GPU (no host sync); K/V repeated to the
@@ -319,9 +325,11 @@ class Fp8Attention:
                     self._rescale(f"amax_{name}", f"scale_{name}")
             self.backward()
         torch.cuda.synchronize()
-        names = ("amax_q", "amax_k", "amax_v", "amax_dO", "amax_s", "amax_o", "amax_dP", "amax_dQ", "amax_dK",
-                 "amax_dV", "scale_o", "scale_dP", "scale_dQ", "scale_dK", "scale_dV")
-        return {name: float(self.buffers[name].float().reshape(-1)[0]) for name in names if name in self.buffers}
+        names = ["amax_q", "amax_k", "amax_v", "amax_s", "amax_o", "scale_o"]
+        if self.backward_graph is not None:
+            names += ["amax_dO", "amax_dP", "amax_dQ", "amax_dK", "amax_dV", "scale_dP", "scale_dQ", "scale_dK",
+                      "scale_dV"]
+        return {name: float(self.buffers[name].float().reshape(-1)[0]) for name in names}
 
 
 # ---------------------------------------------------------------- the run
@@ -379,13 +387,13 @@ def has_nan(*tensors) -> bool:
     return any(bool(torch.isnan(t.float()).any()) for t in tensors)
 
 
-def run_length(cudnn, handle, seqlen: int, args, record: dict) -> None:
+def run_length(cudnn, handle, seqlen: int, args, record: dict, device: torch.device) -> None:
     """Build, calibrate, check and time one length; fills `record` as it goes (a failure keeps what was found).
     NaN in cuDNN's results fails the length after its timings."""
     from kernels.attention.route import flash_attention
 
-    generator = torch.Generator(device="cuda").manual_seed(seqlen)
-    make = lambda heads: torch.randn(1, seqlen, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+    generator = torch.Generator(device=device).manual_seed(seqlen)
+    make = lambda heads: torch.randn(1, seqlen, heads, HEAD_DIM, device=device, dtype=torch.bfloat16,  # noqa: E731
                                      generator=generator)
     q, k, v, grad_out = make(Q_HEADS), make(KV_HEADS), make(KV_HEADS), make(Q_HEADS)
     started = time.perf_counter()
@@ -410,6 +418,7 @@ def run_length(cudnn, handle, seqlen: int, args, record: dict) -> None:
     out8 = fp8.output()
     grads8 = fp8.gradients() if backward is not None else None
     record["nan"] = has_nan(out8, fp8.buffers["stats"], *(grads8 or ()))
+    record["max_abs_output"] = out8.abs().max().item()      # next to amax_o: what cuDNN's amax measures
     print(f"  amax and scales: {record['amax_and_scales']}; NaN: {record['nan']}", flush=True)
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -453,26 +462,32 @@ def run_length(cudnn, handle, seqlen: int, args, record: dict) -> None:
     assert not record["nan"], "NaN in cuDNN's FP8 output or gradients"
 
 
+def same_dq_twice(fp8: Fp8Attention, backward) -> bool:
+    """Whether two runs of `backward` write the same dQ, bit for bit (atomics in the sum over keys would not)."""
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)  # noqa: E731
+    backward()
+    first = bits(fp8.buffers["dQ"]).clone()
+    backward()
+    return bool(torch.equal(first, bits(fp8.buffers["dQ"])))
+
+
 def deterministic_backward(cudnn, handle, seqlen: int, config: dict, fp8: Fp8Attention):
     """cuDNN's FP8 backward with use_deterministic_algorithm: (what was found, the call to time or None). Found:
-    whether it builds, and whether its dQ is the same bit for bit over two runs."""
+    whether it builds, and whether it and the default backward write the same dQ bit for bit over two runs."""
+    found = {"default_bit_identical_dq": same_dq_twice(fp8, fp8.backward)}
     try:
         graph = backward_graph(cudnn, handle, seqlen, config["kv_heads"], config["out_type"], config["mask"],
                                deterministic=True)
     except Exception as error:
-        print(f"  deterministic backward refused: {short(error)}", flush=True)
-        return {"built": False, "error": short(error)}, None
-    workspace = fp8._workspace(graph)
+        print(f"  deterministic backward refused: {short(error)}; {found}", flush=True)
+        return {**found, "built": False, "error": short(error)}, None
+    workspace = fp8.workspace(graph)
 
     def run():
         graph.execute(fp8.backward_pack, workspace, handle=handle)
-    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)  # noqa: E731
-    run()
-    first = bits(fp8.buffers["dQ"]).clone()
-    run()
-    same = bool(torch.equal(first, bits(fp8.buffers["dQ"])))
-    print(f"  deterministic backward built; dQ bit-identical over two runs: {same}", flush=True)
-    return {"built": True, "bit_identical_dq": same}, run
+    found.update(built=True, bit_identical_dq=same_dq_twice(fp8, run))
+    print(f"  deterministic backward built; {found}", flush=True)
+    return found, run
 
 
 def start_watchdog(seconds: float, state: dict) -> None:
@@ -560,7 +575,7 @@ def main(argv=None) -> None:
         print(f"S={seqlen}", flush=True)
         record = {**common, "seqlen": seqlen, "status": "ok"}
         try:
-            run_length(cudnn, handle, seqlen, args, record)
+            run_length(cudnn, handle, seqlen, args, record, torch.device("cuda"))
         except Exception as error:
             record.update(status="failed", error=short(error))
             print(f"  S={seqlen} failed: {short(error)}", flush=True)
