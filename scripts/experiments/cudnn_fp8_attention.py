@@ -9,7 +9,8 @@ strides, no copies). q, k, v and dO are quantized to E4M3 with one scale per ten
 take, as descale factors); the softmax probabilities with the fixed scale E4M3_MAX (they lie in [0, 1]). The
 output, dQ, dK and dV scales are calibrated from the amax values cuDNN returns (delayed scaling, as a training
 step would carry them over), then every graph runs once more for the checks. The first configuration whose
-forward and backward graphs both build wins, in this order: output dtype bf16 then E4M3, native GQA then K/V
+forward and backward graphs both build wins, in this order: output dtype bf16 then E4M3 (the frontend takes a bf16
+O, dQ, dK, dV from FP8 inputs on Blackwell only: on Hopper they come in E4M3, dequantized here), native GQA then K/V
 expanded to 32 heads, the causal mask as a diagonal bound then as the older use_causal_mask flag; each refusal is
 printed and kept in the JSON.
 
@@ -18,8 +19,9 @@ PyTorch's fused attention in fp32) on the first --ref-kv-heads KV heads and thei
 dequantized output and gradients and for ours (kernels.attention.route.flash_attention) on the same inputs.
 Timings: CUDA events, a warm-up call, then the median over rounds taken in turn (docs/PERFORMANCE.md, "How to
 measure"); cuDNN both as its graphs alone (inputs already FP8) and with the casts a bf16 model needs around them
-(amax, quantize, dequantize). TFLOP/s count causal FLOPs as bench_attention.py does: forward 2*2*S^2/2*heads*D,
-backward 2.5x the forward (FlashAttention's count), so forward+backward is 3.5x. One JSON line per length in --json.
+(amax, quantize, dequantize, as unfused torch ops: an upper bound of what they cost). TFLOP/s count causal FLOPs as
+bench_attention.py does: forward 2*2*S^2/2*heads*D, backward 2.5x the forward (FlashAttention's count), so
+forward+backward is 3.5x. One JSON line per length appended to --json.
 """
 from __future__ import annotations
 
