@@ -219,8 +219,8 @@ def choose_graphs(cudnn, handle, seqlen: int, failures: list):
 class Fp8Attention:
     """One length's cuDNN FP8 graphs with their buffers: execute by uid from bf16 q, k, v and dO."""
 
-    def __init__(self, cudnn, handle, config: dict, forward, backward, q, k, v, grad_out):
-        self.cudnn, self.handle, self.config = cudnn, handle, config
+    def __init__(self, handle, config: dict, forward, backward, q, k, v, grad_out):
+        self.handle, self.config = handle, config
         self.forward_graph, self.backward_graph = forward, backward
         self.expanded = config["kv_heads"] != k.shape[2]
         self.fp8_out = config["out_dtype"] == "e4m3"
@@ -415,7 +415,7 @@ def run_length(cudnn, handle, seqlen: int, args, record: dict, device: torch.dev
                 record[f"{name}_plan"] = graph.get_plan_name_at_index(0)
             except Exception as error:      # the plan's name is a note, not a result
                 record[f"{name}_plan"] = short(error)
-    fp8 = Fp8Attention(cudnn, handle, config, forward, backward, q, k, v, grad_out)
+    fp8 = Fp8Attention(handle, config, forward, backward, q, k, v, grad_out)
     record["amax_and_scales"] = fp8.calibrate()
     out8 = fp8.output()
     grads8 = fp8.gradients() if backward is not None else None
