@@ -576,12 +576,15 @@ def main(argv=None) -> None:
         state["case"] = f"S={seqlen}"
         print(f"S={seqlen}", flush=True)
         record = {**common, "seqlen": seqlen, "status": "ok"}
+        started = time.perf_counter()
         try:
             run_length(cudnn, handle, seqlen, args, record, torch.device("cuda"))
         except Exception as error:
             record.update(status="failed", error=short(error))
             print(f"  S={seqlen} failed: {short(error)}", flush=True)
             traceback.print_exc(limit=4)
+        record["length_s"] = round(time.perf_counter() - started, 1)     # what the next run's time limit needs
+        print(f"  S={seqlen} took {record['length_s']} s", flush=True)
         write_json(args.json, record)
         summary.append(record)
         torch.cuda.empty_cache()
