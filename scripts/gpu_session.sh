@@ -14,6 +14,8 @@
 #                                                                    # issue 13's attention table, one run
 #   git apply docs/experiments/dq_warp_backward.patch; bash scripts/gpu_session.sh bwd_ab attn_tests
 #                                                                    # an attention experiment against HEAD
+#   bash scripts/gpu_session.sh cudnn_fp8            # issue 48: cuDNN's FP8 attention against ours, speed and error
+#                                                    # (.whl/ made by wheels.sh liger-kernel==0.8.5 nvidia-cudnn-frontend==1.32.0)
 set -uo pipefail
 # Installed once per machine: a job started in the background by an earlier call still imports from it.
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
@@ -125,6 +127,12 @@ for step in "$@"; do
     fwd_ab) git show ${AB_BASE:-HEAD}:kernels/flash_attention_hopper.py > /tmp/forward_base.py
       AB_CELL_MS=1000 python3 scripts/experiments/forward_ab.py /tmp/forward_base.py 2>&1 | tee $OUT/fwd_ab.log |
         grep -v "max diff 0 lse max diff 0 nan False" ;;
+    # Issue 48: cuDNN's FP8 attention (the cuDNN frontend's sdpa_fp8 graphs; .whl/ needs
+    # `wheels.sh liger-kernel==0.8.5 nvidia-cudnn-frontend==1.32.0`) against our bf16 kernels at 8k, 32k and 131k:
+    # times and errors against fp32, one JSON line a length in $OUT/cudnn_fp8.jsonl, the whole log in cudnn_fp8.log.
+    # CUDNN_FP8_ARGS adds options (--seqlens, --time-limit-s: its default, 540 s, leaves a lone step's call room).
+    cudnn_fp8) python3 scripts/experiments/cudnn_fp8_attention.py --json $OUT/cudnn_fp8.jsonl ${CUDNN_FP8_ARGS:-} 2>&1 |
+        tee $OUT/cudnn_fp8.log | tail -60 ;;
     attn_tests) gpu_tests attn_tests 300 tests/test_flash_attention.py \
         -k "hopper or very_negative or gpu_deterministic or gpu_packed or compiled_code" ;;
     # FP8 (train.fp8): the products against bf16 and torchao (needs its wheel in .whl/), one layer's error
