@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,8 +188,8 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
 # FP8 attention (issue 48): the contract of a flash-style forward whose two products, Q·Kᵀ and P·V, run in e4m3.
 # P = exp(S - rowmax) lies in [0, 1]; it is stored times this fixed power of two, the largest not above FP8_MAX:
-# P = 1 lands on 256 exactly, values down to 2^-14 keep e4m3's full precision (2^-17 before they flush to 0; at
-# scale 1, FlashAttention-3's, that happens below 2^-10), and the kernel folds 1/256 into the row sum exactly.
+# P = 1 lands on 256 exactly, values down to 2^-14 keep e4m3's full precision (they flush to 0 below 2^-18; at
+# scale 1, FlashAttention-3's, below 2^-10), and the kernel folds 1/256 into the row sum exactly.
 FP8_P_SCALE = 256.0
 LOG2E = math.log2(math.e)
 
@@ -277,7 +278,9 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
     - q in e4m3 per (batch, head, block of `block_m` tokens), k and v per (batch, KV head, block of `block_n`
       tokens): `quantize_token_blocks`; blocks run over the flattened B*S axis when cu_seqlens is given.
-      With `rotate`, q and k are first multiplied by `hadamard_rotation(D, seed)` (in fp32).
+      With `rotate`, q and k are first multiplied by `hadamard_rotation(D, seed)` (in fp32). A kernel applies
+      q's and k's scales to the rows and columns of S, whatever its tiles; v's scale changes along P·V's sum,
+      so its key tiles must follow the blocks (our Hopper forward starts them at a document's first token).
     - S = the fp32 product of the dequantized q and k (the kernel's e4m3 product, accumulated in fp32, times
       the two scales: equal up to fp32 rounding), times softmax_scale; pairs that do not attend are -inf.
     - m = the row's exact max of S over all its keys (a kernel's running max differs in the P values it rounds,
@@ -326,7 +329,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         lo, hi, visible = _visible_keys(first, end, causal, doc, tokens, q.device)
         inputs = (qf[:, :, first:end], kf[:, :, lo:hi], vf[:, :, lo:hi], v_bad[:, :, lo:hi], visible, scale)
         if torch.is_grad_enabled():
-            out, lse = torch.utils.checkpoint.checkpoint(_fp8_query_block, *inputs, use_reentrant=False)
+            out, lse = checkpoint(_fp8_query_block, *inputs, use_reentrant=False)
         else:
             out, lse = _fp8_query_block(*inputs)
         outs.append(out)
@@ -335,7 +338,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if not return_lse:
         return out
     lse = torch.cat(lses, dim=2) * LOG2E
-    return out, lse.reshape(q_heads, batch, seqlen).transpose(0, 1) if cu_seqlens is not None else lse
+    return out, (lse.reshape(q_heads, batch, seqlen).transpose(0, 1) if cu_seqlens is not None else lse)
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
