@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) train.py $(ARGS)
 
+# Two pytest-xdist workers: most tests run on one core (Triton's interpreter, one-thread training jobs).
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV)

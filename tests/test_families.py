@@ -325,9 +325,7 @@ def test_qwen3_trains_evaluates_resumes_and_exports_through_the_trainer(tmp_path
     """A Qwen3 checkpoint trained through the trainer (evaluated every 2 steps, interrupted at step 2 and
     resumed to the straight run's losses), then exported: the merged model loads in transformers as
     Qwen3ForCausalLM with our logits, and a LoRA adapter loads with peft onto transformers' Qwen3 alike."""
-    import subprocess
-    import sys
-
+    from scripts.export import export
     from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
     base = qwen3_checkpoint(tmp_path / "base")
     job = [f"train={mode}", f"model.path={base}", "optim.lr=1e-2", "eval.every_steps=2",
@@ -344,9 +342,7 @@ def test_qwen3_trains_evaluates_resumes_and_exports_through_the_trainer(tmp_path
     assert [record["step"] for record in records(tmp_path / "straight") if "eval/loss" in record] == [0, 2, 4]
 
     checkpoint = tmp_path / "straight" / "checkpoints" / "step-4"
-    done = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), str(tmp_path / "hf")],
-                          capture_output=True, text=True, cwd=REPO)
-    assert done.returncode == 0, done.stderr
+    export(checkpoint, tmp_path / "hf")      # its command line, the same call, runs as a process in test_export.py
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
     if mode == "lora":

@@ -5,16 +5,15 @@ our logits, and the adapter loaded by peft's AutoPeftModelForCausalLM with the s
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from model import CausalLM, unwrap_model
+from scripts.export import export
 from tests.data_support import save_tokenizer
-from tests.jobs_support import REPO, job_config, single_torch_thread  # noqa: F401
+from tests.jobs_support import job_config, single_torch_thread  # noqa: F401
 from trainer.checkpoint.format import ADAPTER_DIR, load_adapter
 from trainer.loop import train
 
@@ -61,13 +60,11 @@ def hf_logits(model) -> torch.Tensor:
 
 
 def run_and_export(tmp_path, base, family: str, mode: str):
-    """(checkpoint, export) of a `mode` run on `base` under model.family=`family`, exported as a process."""
+    """(checkpoint, export) of a `mode` run on `base` under model.family=`family`, exported by scripts/export.py's
+    export (its command line, the same call, runs as a process in test_export.py)."""
     train(job_config(tmp_path / "run", f"train={mode}", f"model.path={base}", f"model.family={family}", *TRAIN))
     checkpoint = tmp_path / "run" / "checkpoints" / "step-3"
-    done = subprocess.run([sys.executable, "scripts/export.py", str(checkpoint), str(tmp_path / "hf")], cwd=REPO,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return checkpoint, tmp_path / "hf"
+    return checkpoint, export(checkpoint, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True), ("mistral", False)],

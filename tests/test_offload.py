@@ -56,6 +56,17 @@ def loss_and_grads(model, input_ids, labels, seed=1, autocast=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def triton_attention_model():
+    """The LoRA model with head dim 64 (a size Triton's attention takes) running Triton's attention, the one that
+    records, interpreted on CPU; its other ops stay on the reference (the interpreter's norms and RoPE would take
+    most of the test's time and are checked on their own in test_rope_swiglu.py and test_norm_kernels.py)."""
+    from kernels.attention import choose_route
+    from trainer.build import install_attention_route
+    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    install_attention_route(model, choose_route(torch.device("cpu"), 64, "triton"))
+    return model
+
+
 def batch(seqlen=48, device="cpu"):
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, TINY["vocab_size"], (2, seqlen + 1), generator=generator).to(device)
@@ -338,8 +349,7 @@ def test_kept_attention_outputs_replace_the_recomputed_attention_forward(monkeyp
     forward kernel for those layers, and loss and gradients still equal plain autograd's. Triton's
     attention (interpreted on CPU) is the one that records; head dim 64 is a size it supports."""
     from kernels.attention import function
-    kernels.set_backend("triton")
-    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    model = triton_attention_model()
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
     forward_kernel, launched = function._forward, []
@@ -358,8 +368,7 @@ def traced_step(monkeypatch, attention=None):
     "layer i", the host buffer of each copy back to the device) and the planner's count of the backward's
     attention forwards for that layout."""
     from kernels.attention import function
-    kernels.set_backend("triton")
-    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    model = triton_attention_model()
     input_ids, labels = batch(seqlen=24)
     reference = loss_and_grads(model, input_ids, labels)
     events, forward_kernel = [], function._forward
@@ -455,8 +464,7 @@ def test_recomputations_compute_no_output_that_nothing_reads():
 def test_backward_fetches_its_own_attention_outputs_before_prefetching_the_layer_below():
     """The first backward starts the copy of its attention outputs itself: queued behind the prefetch of
     the next input, the compute stream would wait for that one too (1 GiB at 131k tokens)."""
-    kernels.set_backend("triton")
-    model = lora_model(shape={**TINY, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    model = triton_attention_model()
     input_ids, labels = batch(seqlen=16)
     policy = apply_memory_policy(model, ["host"] * 4, 1, torch.device("cpu"), attention=["host"] * 4)
     # Per layer its input, attention output and lse, each layer's copies before any of the layer below's.

@@ -119,6 +119,7 @@ def _default_actions_in_child() -> None:
     handlers = [signal.getsignal(signum) for signum in STOP_SIGNALS]
     if not _stopping and not any(handler is _stop_at_once or isinstance(getattr(handler, "__self__", None),
                                                                         StopSignals) for handler in handlers):
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
         return
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
@@ -126,16 +127,26 @@ def _default_actions_in_child() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != _forking_pid:     # the parent ended before the line above: nobody would end this one
             os._exit(exit_status(signal.SIGTERM))
+    signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)    # a signal held back now takes its default
 
 
-def _note_forking_pid() -> None:
-    global _forking_pid
+def _before_fork() -> None:
+    """Note the forking process and hold the stop signals back across the fork: a child they reached before
+    _default_actions_in_child reset its handlers would run the trainer's (a second "stopped" line per worker)."""
+    global _forking_pid, _mask_before_fork
     _forking_pid = os.getpid()
+    _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _after_fork_in_parent() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
 _stopping = False
 
 
 # prctl(2): the signal a process gets when the thread that forked it ends.
 PR_SET_PDEATHSIG = 1
 _forking_pid = os.getpid()
+_mask_before_fork: set[signal.Signals] = set()
 _stopping = False
-os.register_at_fork(before=_note_forking_pid, after_in_child=_default_actions_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_default_actions_in_child)
