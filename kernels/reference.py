@@ -69,6 +69,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
+def _attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      softmax_scale: float | None) -> tuple[float, int]:
+    """(softmax scale, query heads per KV head) of attention's inputs, or a ValueError naming the shapes."""
+    q_heads, head_dim, kv_heads = q.shape[2], q.shape[3], k.shape[2]
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
+    return (softmax_scale if softmax_scale is not None else head_dim ** -0.5), q_heads // kv_heads
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               cu_seqlens: torch.Tensor | None = None, softmax_scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads and packed documents.
@@ -78,13 +89,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     FlashAttention's varlen API); a token attends only to tokens of its own document. Returns [B, S, Hq, D].
     """
     batch, seqlen, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
-    group = q_heads // kv_heads
+    scale, group = _attention_shapes(q, k, v, softmax_scale)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, batch, seqlen)
         # Documents index the flattened token axis: fold the batch into one long row.
@@ -303,13 +308,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     Query blocks run one at a time (checkpointed under autograd), so memory stays O(S·block) per head.
     """
     batch, seqlen, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
-    group = q_heads // kv_heads
+    scale, group = _attention_shapes(q, k, v, softmax_scale)
     doc = None
     qf, kf, vf = q.float(), k.float(), v.float()
     if cu_seqlens is not None:
@@ -355,8 +354,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     after an FP8 forward computes. Math in fp32, results in the inputs' dtypes."""
     batch, seqlen, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
-    group = q_heads // kv_heads
+    scale, group = _attention_shapes(q, k, v, softmax_scale)
     doc = None
     tensors = [t.float() for t in (q, k, v, out, dout)]
     if cu_seqlens is not None:
