@@ -188,6 +188,9 @@ for step in "$@"; do
     # the resume on 2 is exact); then 131k LoRA on one GPU and sequence parallel on two, in one run.
     parallel_tests) LONGCTX_TORCHRUN_JOB="device=cuda deterministic=true model=llama3_8b model.num_hidden_layers=2 train=lora seq_len=16384" \
         LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests.log | grep -E "FAILED|ERROR|passed|failed" ;;
+    # The same on 4 GPUs (nvidia-h100-x4, issue 49): SIGTERM to one of 4 ranks, resume on 4 and on 2.
+    parallel_tests_x4) LONGCTX_TORCHRUN_PROCESSES=4 LONGCTX_TORCHRUN_JOB="device=cuda deterministic=true model=llama3_8b model.num_hidden_layers=2 train=lora seq_len=16384" \
+        LONGCTX_TORCHRUN_RTOL=2e-2 python3 -m pytest -v --tb=short tests/test_torchrun.py -k sigterm 2>&1 | tee $OUT/parallel_tests_x4.log | grep -E "FAILED|ERROR|passed|failed" ;;
     parallel_131k) python3 scripts/bench_parallel.py --seq-len 131072 --gpus 1 2 --steps 3 --work-dir /tmp/bench_parallel 2>&1 | tee $OUT/parallel_131k.log | tail -6
         cp /tmp/bench_parallel/*.log $OUT/ ;;
     # Issue 49 on 4 GPUs (nvidia-h100-x4): 131k full fine-tuning on one GPU and on four (sequence parallel, the

@@ -25,6 +25,8 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 # model our kernels run) and the bf16 tolerance of one process against two.
 JOB = [*FAST, *os.environ.get("LONGCTX_TORCHRUN_JOB", "").split()]
 ONE_AGAINST_TWO_RTOL = float(os.environ.get("LONGCTX_TORCHRUN_RTOL", "1e-4"))
+# The SIGTERM test's processes (gpu_session.sh parallel_tests_x4: 4 GPUs, resumed on 4 and on 2).
+SIGTERM_PROCESSES = int(os.environ.get("LONGCTX_TORCHRUN_PROCESSES", "2"))
 
 
 def torchrun(run_dir, *overrides: str, processes: int = 2) -> subprocess.Popen:
@@ -121,10 +123,13 @@ def _rank_process(torchrun_process: subprocess.Popen, rank: int) -> psutil.Proce
 
 
 def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly_on_two_and_on_one(tmp_path):
-    steps = ["max_steps=40", "parallel.sequence=2"]
-    uninterrupted = run(tmp_path / "uninterrupted", *steps)
+    """N = 2 processes (LONGCTX_TORCHRUN_PROCESSES: N): SIGTERM to one rank stops all at one step, resumed on N
+    exactly and on N / 2 (one process for N = 2: the DCP state resharded) to the uninterrupted losses."""
+    processes, fewer = SIGTERM_PROCESSES, SIGTERM_PROCESSES // 2
+    steps = ["max_steps=40", f"parallel.sequence={processes}"]
+    uninterrupted = run(tmp_path / "uninterrupted", *steps, processes=processes)
     stopped_dir = tmp_path / "stopped"
-    process = torchrun(stopped_dir, *steps)
+    process = torchrun(stopped_dir, *steps, processes=processes)
     rank_1 = _rank_process(process, 1)
     wait_for(lambda: len(records(stopped_dir)) >= 2, "two steps", process)
     rank_1.send_signal(signal.SIGTERM)
@@ -135,10 +140,10 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_exactly_on_two_a
     assert checkpoints == [f"step-{stop}"]      # both ranks stopped after the same step and saved it together
     assert losses(stopped_dir) == uninterrupted[:stop]
 
-    on_one = tmp_path / "on_one"
-    shutil.copytree(stopped_dir, on_one)
-    resumed_on_two = run(stopped_dir, *steps)
-    assert resumed_on_two == uninterrupted     # exact: same ranks, same reductions
-    resumed_on_one = run(on_one, "max_steps=40", processes=1)
-    assert resumed_on_one[:stop] == uninterrupted[:stop]
-    assert resumed_on_one[stop:] == pytest.approx(uninterrupted[stop:], rel=ONE_AGAINST_TWO_RTOL)
+    on_fewer = tmp_path / "on_fewer"
+    shutil.copytree(stopped_dir, on_fewer)
+    resumed_on_all = run(stopped_dir, *steps, processes=processes)
+    assert resumed_on_all == uninterrupted     # exact: same ranks, same reductions
+    resumed_on_fewer = run(on_fewer, "max_steps=40", f"parallel.sequence={fewer}", processes=fewer)
+    assert resumed_on_fewer[:stop] == uninterrupted[:stop]
+    assert resumed_on_fewer[stop:] == pytest.approx(uninterrupted[stop:], rel=ONE_AGAINST_TWO_RTOL)

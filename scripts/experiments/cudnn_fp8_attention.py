@@ -37,6 +37,8 @@ import traceback
 
 import torch
 
+from conf.capability import gpu_capability
+
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 E4M3_MAX = 448.0        # torch.finfo(torch.float8_e4m3fn).max
 FORWARD_BACKWARD_FLOPS_FACTOR = 3.5
@@ -556,10 +558,10 @@ def main(argv=None) -> None:
     start_watchdog(args.time_limit_s, state)
     if not torch.cuda.is_available():
         sys.exit("cudnn_fp8_attention.py needs a CUDA GPU (Hopper or newer for cuDNN's FP8 attention): none is visible")
-    capability = torch.cuda.get_device_capability()
-    if capability[0] < 9:
-        sys.exit(f"cudnn_fp8_attention.py needs a Hopper or newer GPU for cuDNN's FP8 attention, got sm{capability[0]}"
-                 f"{capability[1]} ({torch.cuda.get_device_name()})")
+    capability = gpu_capability(torch.device("cuda"))
+    if not capability.fp8:
+        sys.exit(f"cudnn_fp8_attention.py needs a Hopper or newer GPU for cuDNN's FP8 attention, got "
+                 f"{capability.name} (compute capability {capability.compute_capability})")
     cudnn, backend = load_cudnn()
     torch.backends.cuda.matmul.allow_tf32 = False       # the fp32 reference stays fp32
     handle = cudnn.create_handle()
