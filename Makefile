@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) train.py $(ARGS)
 
-# Two pytest-xdist workers: most tests run on one core (Triton's interpreter, one-thread training jobs).
+# Two pytest-xdist workers: most tests run on one core (Triton's interpreter, one-thread training jobs); an idle
+# worker takes tests queued for the other (worksteal), so a long test late in one queue does not end the run alone.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 clean:
 	rm -rf $(VENV)
