@@ -134,16 +134,23 @@ def _finish(cudnn, graph):
     return graph
 
 
-def forward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str):
-    """sdpa_fp8 over E4M3 q, k, v of one row: output O in out_type, Stats (fp32 log-sum-exp), Amax_S, Amax_O."""
+def _fp8_graph(cudnn, handle, uids: dict, seqlen: int, kv_heads: int):
+    """An FP8 graph with fp32 math and its E4M3 q, k, v of one row: (graph, q, k, v, q's dims and strides)."""
     fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
-    u = FORWARD_UIDS
     q_dims, q_strides = bhsd(1, Q_HEADS, seqlen, HEAD_DIM)
     kv_dims, kv_strides = bhsd(1, kv_heads, seqlen, HEAD_DIM)
-    q = graph.tensor(uid=u["q"], name="q", dim=q_dims, stride=q_strides, data_type=fp8)
-    k = graph.tensor(uid=u["k"], name="k", dim=kv_dims, stride=kv_strides, data_type=fp8)
-    v = graph.tensor(uid=u["v"], name="v", dim=kv_dims, stride=kv_strides, data_type=fp8)
+    q = graph.tensor(uid=uids["q"], name="q", dim=q_dims, stride=q_strides, data_type=fp8)
+    k = graph.tensor(uid=uids["k"], name="k", dim=kv_dims, stride=kv_strides, data_type=fp8)
+    v = graph.tensor(uid=uids["v"], name="v", dim=kv_dims, stride=kv_strides, data_type=fp8)
+    return graph, q, k, v, q_dims, q_strides
+
+
+def forward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: str):
+    """sdpa_fp8 over E4M3 q, k, v of one row: output O in out_type, Stats (fp32 log-sum-exp), Amax_S, Amax_O."""
+    fp32 = cudnn.data_type.FLOAT
+    u = FORWARD_UIDS
+    graph, q, k, v, q_dims, q_strides = _fp8_graph(cudnn, handle, u, seqlen, kv_heads)
     scalars = {name: _scalar(cudnn, graph, u, name)
                for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
     o, stats, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, **scalars, generate_stats=True,
@@ -161,13 +168,9 @@ def backward_graph(cudnn, handle, seqlen: int, kv_heads: int, out_type, mask: st
     """sdpa_fp8_backward: E4M3 q, k, v, dO; O in out_type (the forward's); dQ, dK, dV in out_type, and the amax
     of dQ, dK, dV and dP."""
     fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
     u = BACKWARD_UIDS
-    q_dims, q_strides = bhsd(1, Q_HEADS, seqlen, HEAD_DIM)
+    graph, q, k, v, q_dims, q_strides = _fp8_graph(cudnn, handle, u, seqlen, kv_heads)
     kv_dims, kv_strides = bhsd(1, kv_heads, seqlen, HEAD_DIM)
-    q = graph.tensor(uid=u["q"], name="q", dim=q_dims, stride=q_strides, data_type=fp8)
-    k = graph.tensor(uid=u["k"], name="k", dim=kv_dims, stride=kv_strides, data_type=fp8)
-    v = graph.tensor(uid=u["v"], name="v", dim=kv_dims, stride=kv_strides, data_type=fp8)
     o = graph.tensor(uid=u["o"], name="o", dim=q_dims, stride=q_strides, data_type=out_type)
     d_o = graph.tensor(uid=u["dO"], name="dO", dim=q_dims, stride=q_strides, data_type=fp8)
     stats = graph.tensor(uid=u["stats"], name="stats", dim=(1, Q_HEADS, seqlen, 1),
