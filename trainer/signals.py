@@ -116,18 +116,19 @@ def _default_actions_in_child() -> None:
     trainer's handler (which would stop it as the trainer, or make it ignore the pool's SIGTERM); and, on
     Linux, SIGTERM when the thread that forked it ends, so that no worker outlives the trainer (a pool forks
     replacements for workers that died, which nobody would then end, blocked on its task queue)."""
-    handlers = [signal.getsignal(signum) for signum in STOP_SIGNALS]
-    if not _stopping and not any(handler is _stop_at_once or isinstance(getattr(handler, "__self__", None),
-                                                                        StopSignals) for handler in handlers):
-        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
-        return
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != _forking_pid:     # the parent ended before the line above: nobody would end this one
-            os._exit(exit_status(signal.SIGTERM))
-    signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)    # a signal held back now takes its default
+    try:
+        handlers = [signal.getsignal(signum) for signum in STOP_SIGNALS]
+        if not _stopping and not any(handler is _stop_at_once or isinstance(getattr(handler, "__self__", None),
+                                                                            StopSignals) for handler in handlers):
+            return
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != _forking_pid:     # the parent ended before the line above: nobody would end this one
+                os._exit(exit_status(signal.SIGTERM))
+    finally:
+        _release_held_signals()
 
 
 def _before_fork() -> None:
@@ -138,9 +139,10 @@ def _before_fork() -> None:
     _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def _after_fork_in_parent() -> None:
+def _release_held_signals() -> None:
+    """After a fork, in the parent and (its handlers reset first) in the child: a stop signal _before_fork held
+    back takes its action now."""
     signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
-_stopping = False
 
 
 # prctl(2): the signal a process gets when the thread that forked it ends.
@@ -148,5 +150,5 @@ PR_SET_PDEATHSIG = 1
 _forking_pid = os.getpid()
 _mask_before_fork: set[signal.Signals] = set()
 _stopping = False
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+os.register_at_fork(before=_before_fork, after_in_parent=_release_held_signals,
                     after_in_child=_default_actions_in_child)
